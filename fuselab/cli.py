@@ -1,0 +1,79 @@
+"""The `fuselab` command: parse arguments, call the library, print. No logic of its own lives here."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# `fuselab bench SUBJECT`: each subject is a module of fuselab.bench with add_arguments(parser) and run(args) -> int.
+BENCH_SUBJECTS: dict[str, tuple[str, str]] = {}
+
+
+def _add_probe(sub) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="measure this GPU: launch cost, sync cost, graph replay, bandwidth/FLOP ceilings, stream overlap",
+        description=(
+            "Measure what the GPU costs beyond its arithmetic: the per-launch overhead of tiny kernels (eager, "
+            "synced after every launch, and replayed from a CUDA graph), the kernel size at which launch cost stops "
+            "mattering, the cost of explicit and implicit host-device syncs, the copy-bandwidth and bf16 matmul "
+            "ceilings used as the roofline by the other tools, and copy/compute overlap across streams. Prints a "
+            "table and a verdict; the result is also cached for `fuselab doctor` and `fuselab bench`. Without a "
+            "GPU it measures what it can on the CPU and lists what it skipped."
+        ),
+    )
+    p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
+    p.add_argument("--plot", metavar="PATH", help="write a plot (PNG) of the size sweep and the launch/sync costs to PATH")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sizes (a rough result in seconds)")
+    p.add_argument("--no-cache", action="store_true", help="do not save the result as this machine's ceilings")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="side-by-side benchmarks against what you would use instead",
+        description="Benchmark fuselab against torch eager, torch.compile and other libraries, side by side in one run.",
+    )
+    subjects = p.add_subparsers(dest="subject", metavar="SUBJECT", required=True)
+    for name, (module, help_text) in BENCH_SUBJECTS.items():
+        sp = subjects.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(sp)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fuselab",
+        description=(
+            "fuselab finds and removes the three costs that keep PyTorch inference far from what a GPU can do: "
+            "kernel-launch overhead, host-device syncs and memory traffic between unfused kernels."
+        ),
+        epilog="Run `fuselab COMMAND --help` for the options of one command.",
+    )
+    parser.add_argument("--version", action="version", version=f"fuselab {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_probe(sub)
+    if BENCH_SUBJECTS:
+        _add_bench(sub)
+    return parser
+
+
+def _version() -> str:
+    from fuselab import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "probe":
+        from fuselab.probe import main as probe_main
+
+        return probe_main(json_path=args.json, plot_path=args.plot, quick=args.quick, cache=not args.no_cache)
+    if args.command == "bench":
+        return importlib.import_module(BENCH_SUBJECTS[args.subject][0]).run(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
