@@ -1,0 +1,12 @@
+"""Fused Triton kernels, one file per op (Triton kernel -> host launcher -> autograd.Function).
+
+Torch references for every op live in `fuselab.kernels.reference`.
+"""
+
+from fuselab import device as _device  # noqa: F401  (selects compiled or interpreted Triton first)
+
+# --- elementwise, norms, activations, softmax (exports) ---
+
+# --- rope, cross-entropy (exports) ---
+
+__all__: list[str] = []
