@@ -6,7 +6,8 @@ Torch references for every op live in `fuselab.kernels.reference`.
 from fuselab import device as _device  # noqa: F401  (selects compiled or interpreted Triton first)
 
 # --- elementwise, norms, activations, softmax (exports) ---
+from fuselab.kernels.rms_norm import rms_norm
 
 # --- rope, cross-entropy (exports) ---
 
-__all__: list[str] = []
+__all__: list[str] = ["rms_norm"]

@@ -10,4 +10,86 @@ import torch.nn.functional as F
 
 # --- elementwise, norms, activations, softmax ---
 
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """Half-precision inputs are computed in fp32, as the kernels do; fp32/fp64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
+    return _ACTIVATIONS[activation](_upcast(x) + bias.to(_upcast(x).dtype)).to(x.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's LlamaRMSNorm, with the residual add that precedes it in a decoder layer."""
+    if residual is not None:
+        h = x + residual
+        return rms_norm(h, weight, eps), h
+    xf = _upcast(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.to(xf.dtype)).to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm of x (+ residual), then the optional activation; with a residual also returns the sum."""
+    if residual is not None:
+        h = x + residual
+        return layer_norm(h, weight, bias, eps, activation=activation), h
+    xf = _upcast(x)
+    y = F.layer_norm(xf, (x.shape[-1],), weight.to(xf.dtype), None if bias is None else bias.to(xf.dtype), eps)
+    if activation is not None:
+        y = _ACTIVATIONS[activation](y)
+    return y.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's LlamaMLP activation: act_fn(gate_proj(x)) * up_proj(x)."""
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's SiluAndMul: the last dim holds [gate, up]."""
+    gate, up = x.chunk(2, dim=-1)
+    return swiglu(gate, up)
+
+
+def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return torch.softmax(_upcast(x), dim=dim).to(x.dtype)
+
+
 # --- rope, cross-entropy, adamw ---
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """The float32-upcast cross-entropy that the fused op replaces, returned in the logits' dtype."""
+    loss = F.cross_entropy(
+        _upcast(logits), target.long(), ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+    return loss.to(logits.dtype)

@@ -1,0 +1,239 @@
+"""RMSNorm over the last dimension, optionally fused with the residual add that precedes it.
+
+y = x / sqrt(mean(x²) + eps) · weight. With `residual`, h = x + residual is formed, stored and
+normalized in the same pass, and `(y, h)` is returned: one read of x and residual, one write of y
+and h, where the unfused pair reads h back.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups
+from fuselab.kernels._validate import (
+    check_at_least_1d,
+    check_eps,
+    check_float_tensor,
+    check_like,
+    check_row_vector,
+    contiguous,
+    needs_autograd,
+)
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_row_input(X, R, H, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+    """x, or h = x + residual rounded to the input dtype (as the unfused add leaves it), in fp32."""
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        if STORE_SUM:
+            tl.store(H + offs, h, mask=mask)
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    offs = row * n_cols + cols
+    x = _load_row_input(X, R, H, offs, mask, HAS_RESIDUAL, True)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_forward_looped_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """For rows longer than one block: a pass for the mean square, a second to normalize."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_cols
+    sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = _load_row_input(X, R, H, base + cols, mask, HAS_RESIDUAL, True)
+        sum_sq += x * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        # Recomputed from the inputs rather than read back from H, so no pass depends on another's stores.
+        x = _load_row_input(X, R, H, base + cols, mask, HAS_RESIDUAL, False)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Y + base + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    DY, X, W, RSTD, DH, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program, HAS_DH: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Each program takes a run of rows, writes their dx, and sums dy·x̂ for dweight in registers."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    first_row = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program):
+        row = first_row + i
+        # Rows past the end (in the last program) get an empty mask; one comparison per element.
+        mask = cols < tl.where(row < n_rows, n_cols, 0)
+        offs = row * n_cols + cols
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row, mask=row < n_rows, other=0.0)
+        x_hat = x * rstd
+        dy_w = dy * w
+        dx = (dy_w - x_hat * (tl.sum(dy_w * x_hat, axis=0) / n_cols)) * rstd
+        if HAS_DH:
+            dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_backward_looped_kernel(
+    DY, X, W, RSTD, DH, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program, HAS_DH: tl.constexpr, BLOCK: tl.constexpr
+):
+    """As above for rows longer than one block; the dweight sums live in this program's row of DW_PARTIAL."""
+    pid = tl.program_id(0)
+    dw_base = pid.to(tl.int64) * n_cols
+    first_row = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program):
+        row = first_row + i
+        row_ok = row < n_rows
+        row_cols = tl.where(row_ok, n_cols, 0)
+        base = row * n_cols
+        rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
+        dot = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < row_cols
+            dy = tl.load(DY + base + cols, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            dot += dy * w * x * rstd
+        mean_dot = tl.sum(dot, axis=0) / n_cols
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < row_cols
+            dy = tl.load(DY + base + cols, mask=mask, other=0.0).to(tl.float32)
+            x_hat = tl.load(X + base + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = (dy * w - x_hat * mean_dot) * rstd
+            if HAS_DH:
+                dx += tl.load(DH + base + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            dw = tl.load(DW_PARTIAL + dw_base + cols, mask=mask, other=0.0)
+            tl.store(DW_PARTIAL + dw_base + cols, dw + dy * x_hat, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(y, h or None, rstd per row in fp32) for contiguous inputs."""
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if y.numel() == 0:
+        return y, h, rstd
+    config = row_config(n_cols, MAX_FUSED_BLOCK)
+    kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
+    # Unused pointer slots get `x`: the branch that would read them is compiled out.
+    kernel[(n_rows,)](
+        x, x if residual is None else residual, weight, y, x if h is None else h, rstd, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=config.block, num_warps=config.num_warps,
+    )
+    return y, h, rstd
+
+
+def rms_norm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dh: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight); `x` is the normalized input (h when a residual was added), `dh` the gradient of h."""
+    n_cols = x.shape[-1]
+    dx = torch.empty_like(x)
+    if x.numel() == 0:
+        return dx, torch.zeros_like(weight)
+    n_rows = x.numel() // n_cols
+    config = row_config(n_cols, MAX_FUSED_BLOCK)
+    n_programs, rows_per_program = row_groups(n_rows, config.num_warps, x.device)
+    make_partial = torch.zeros if config.looped else torch.empty
+    dw_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    kernel = _rms_norm_backward_looped_kernel if config.looped else _rms_norm_backward_kernel
+    kernel[(n_programs,)](
+        dy, x, weight, rstd, dy if dh is None else dh, dx, dw_partial, n_rows, n_cols, rows_per_program,
+        HAS_DH=dh is not None, BLOCK=config.block, num_warps=config.num_warps,
+    )
+    return dx, dw_partial.sum(dim=0).to(weight.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, residual, eps):
+        y, h, rstd = rms_norm_forward(x, weight, eps, residual)
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(x if h is None else h, weight, rstd)
+        # An unused h gets no gradient tensor, rather than a zero-filled one the kernel would add.
+        ctx.set_materialize_grads(False)
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        x, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dx, dw = rms_norm_backward(contiguous(dy), x, weight, rstd, None if dh is None else contiguous(dh))
+        return dx, dw, dx if ctx.has_residual else None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of `x` over its last dim, scaled by `weight`; computed in fp32, returned in x's dtype.
+
+    With `residual` (same shape and dtype as x), returns `(rms_norm(x + residual) * weight, x + residual)`
+    from one kernel: the pre-norm transformer's "add, then normalize" with the sum kept for the next add.
+    """
+    check_float_tensor("x", x)
+    check_at_least_1d("x", x)
+    check_row_vector("weight", weight, "x", x)
+    check_eps(eps)
+    x = contiguous(x)
+    weight = contiguous(weight)
+    if residual is not None:
+        check_like("residual", residual, "x", x)
+        residual = contiguous(residual)
+    if needs_autograd(x, weight, residual):
+        return RMSNormFunction.apply(x, weight, residual, eps)
+    y, h, _ = rms_norm_forward(x, weight, eps, residual)
+    return y if h is None else (y, h)
