@@ -7,7 +7,8 @@ from fuselab import device as _device  # noqa: F401  (selects compiled or interp
 
 # --- elementwise, norms, activations, softmax (exports) ---
 from fuselab.kernels.rms_norm import rms_norm
+from fuselab.kernels.swiglu import silu_and_mul, swiglu
 
 # --- rope, cross-entropy (exports) ---
 
-__all__: list[str] = ["rms_norm"]
+__all__: list[str] = ["rms_norm", "silu_and_mul", "swiglu"]

@@ -1,0 +1,165 @@
+"""The SwiGLU gate of a Llama-style MLP: silu(gate) · up, in one read of each input and one write.
+
+`swiglu(gate, up)` takes the two projections as separate tensors (Hugging Face's LlamaMLP);
+`silu_and_mul(x)` takes them side by side in the last dim, [gate | up] (vLLM's merged gate_up
+projection), and reads both halves in place without splitting x.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr):
+    # Grid: (rows, blocks of columns); rows on axis 0, which allows 2³¹ programs.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + up_offset + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(DY, G, U, DG, DU, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    in_offs = row * in_row_stride + cols
+    dy = tl.load(DY + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + in_offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + up_offset + in_offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * g * s
+    tl.store(DG + in_offs, dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + up_offset + in_offs, du.to(DU.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+
+# 1024 columns per program with 4 warps: 8 elements, one 16-byte load, per thread for 16-bit dtypes,
+# and enough programs to fill the GPU even at one row of a 14336-wide MLP.
+_MAX_BLOCK = 1024
+_NUM_WARPS = 4
+
+
+@functools.lru_cache(maxsize=4096)
+def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
+    block = min(_MAX_BLOCK, triton.next_power_of_2(n_cols))
+    return (n_rows, triton.cdiv(n_cols, block)), block
+
+
+def swiglu_forward(
+    gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, in_row_stride: int, up_offset: int = 0
+) -> torch.Tensor:
+    """silu(gate) · up into `out`. Rows of gate and up are `in_row_stride` elements apart; up's
+    elements start `up_offset` after `up`'s data pointer, which lets one tensor hold [gate | up]."""
+    if out.numel() == 0:
+        return out
+    n_cols = out.shape[-1]
+    grid, block = _grid(out.numel() // n_cols, n_cols)
+    _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS)
+    return out
+
+
+def swiglu_backward(
+    dy: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    dgate: torch.Tensor,
+    dup: torch.Tensor,
+    in_row_stride: int,
+    up_offset: int = 0,
+) -> None:
+    """Writes the gradients of gate and up into `dgate` and `dup`, laid out like gate and up."""
+    if dy.numel() == 0:
+        return
+    n_cols = dy.shape[-1]
+    grid, block = _grid(dy.numel() // n_cols, n_cols)
+    _swiglu_backward_kernel[grid](
+        dy, gate, up, dgate, dup, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward(gate, up, torch.empty_like(gate), gate.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        swiglu_backward(contiguous(dy), gate, up, dgate, dup, gate.shape[-1])
+        return dgate, dup
+
+
+class SiluAndMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _silu_and_mul_forward(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        half = x.shape[-1] // 2
+        dx = torch.empty_like(x)
+        swiglu_backward(contiguous(dy), x, x, dx, dx, x.shape[-1], up_offset=half)
+        return dx
+
+
+def _silu_and_mul_forward(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], half)
+    # The kernel reads the up half in place: same rows, `half` elements further along.
+    return swiglu_forward(x, x, out, x.shape[-1], up_offset=half)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up, elementwise, computed in fp32 and returned in the inputs' dtype."""
+    check_float_tensor("gate", gate)
+    check_at_least_1d("gate", gate)
+    check_like("up", up, "gate", gate)
+    gate, up = contiguous(gate), contiguous(up)
+    if needs_autograd(gate, up):
+        return SwiGLUFunction.apply(gate, up)
+    return swiglu_forward(gate, up, torch.empty_like(gate), gate.shape[-1])
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """For x = [gate | up] along the last dim (2H wide), returns silu(gate) · up (H wide)."""
+    check_float_tensor("x", x)
+    check_at_least_1d("x", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"x's last dim holds [gate | up] and must be even, got {x.shape[-1]}")
+    x = contiguous(x)
+    if needs_autograd(x):
+        return SiluAndMulFunction.apply(x)
+    return _silu_and_mul_forward(x)
