@@ -1,0 +1,178 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_checks import DTYPES, assert_close, leaf, lower_block_cap
+
+from fuselab.kernels import reference
+from fuselab.kernels.cross_entropy import cross_entropy
+
+VOCABS = (1, 3, 1000, 5003)
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _inputs(rows, vocab, dtype, device, seed=0, ignored=()):
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=g)).to(dtype).to(device)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[list(ignored)] = -100
+    return logits, target.to(device)
+
+
+def _reference(logits, target, **kw):
+    return reference.cross_entropy(logits.double(), target, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_forward_matches_reference(device, dtype, vocab):
+    logits, target = _inputs(4, vocab, dtype, device, ignored=[1])
+    for reduction in REDUCTIONS:
+        loss = cross_entropy(logits, target, reduction=reduction)
+        assert loss.dtype == dtype
+        assert_close(loss, _reference(logits, target, reduction=reduction), dtype)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1, 1.0])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_vocab_longer_than_one_chunk(device, monkeypatch, reduction, label_smoothing):
+    lower_block_cap(monkeypatch, "cross_entropy", 128)
+    logits, target = _inputs(3, 1000, torch.float32, device, ignored=[2])
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing)
+    assert_close(cross_entropy(logits, target, **kw), _reference(logits, target, **kw), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_backward_matches_autograd_of_reference(device, monkeypatch, dtype, reduction):
+    lower_block_cap(monkeypatch, "cross_entropy", 256)
+    logits, target = _inputs(5, 1000, dtype, device, ignored=[3])
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    # A non-unit incoming gradient exercises the rescaling that backward skips for d(loss) = 1.
+    shape = (5,) if reduction == "none" else ()
+    dloss = torch.rand(shape, generator=torch.Generator().manual_seed(1)).add(0.5)
+    xk = logits.clone().requires_grad_(True)
+    cross_entropy(xk, target, **kw).backward(dloss.to(dtype).to(device))
+    xr = leaf(logits)
+    _reference(xr, target, **kw).backward(dloss.to(dtype).double().to(device))
+    assert xk.grad.dtype == dtype
+    assert_close(xk.grad, xr.grad, dtype, scale=2)
+
+
+def test_unit_incoming_gradient_is_the_stored_gradient(device):
+    logits, target = _inputs(4, 300, torch.float32, device, ignored=[0])
+    xk = logits.clone().requires_grad_(True)
+    cross_entropy(xk, target).backward()
+    xr = leaf(logits)
+    _reference(xr, target).backward()
+    assert_close(xk.grad, xr.grad, torch.float32)
+    assert torch.all(xk.grad[0] == 0)
+
+
+def test_every_row_ignored_gives_nan_mean_and_zero_gradient(device):
+    logits, target = _inputs(3, 50, torch.float32, device, ignored=[0, 1, 2])
+    xk = logits.clone().requires_grad_(True)
+    loss = cross_entropy(xk, target, label_smoothing=0.2)
+    loss.backward()
+    assert torch.isnan(loss)
+    assert torch.all(xk.grad == 0)
+    assert cross_entropy(logits, target, reduction="sum") == 0
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_empty_batch(device, reduction):
+    logits = torch.empty(0, 10, device=device)
+    target = torch.empty(0, dtype=torch.long, device=device)
+    got = cross_entropy(logits, target, reduction=reduction)
+    expected = _reference(logits, target, reduction=reduction)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got.double(), expected, equal_nan=True)
+
+
+def test_strided_logits_and_int32_target(device):
+    wide, target = _inputs(4, 2000, torch.float32, device)
+    logits = wide[:, ::2]  # column stride 2: copied once to make the rows contiguous
+    target = (target % 1000).to(torch.int32)
+    assert_close(cross_entropy(logits, target, reduction="none"), _reference(logits, target, reduction="none"), torch.float32)
+    rows = wide[::2, :1000]  # row stride 4000, columns contiguous: read in place
+    assert_close(cross_entropy(rows, target[:2]), _reference(rows, target[:2]), torch.float32)
+
+
+def test_nan_and_inf_propagate_like_reference(device, monkeypatch):
+    lower_block_cap(monkeypatch, "cross_entropy", 64)
+    logits, target = _inputs(4, 200, torch.float32, device)
+    logits[0, 7] = float("nan")
+    logits[1, 150] = float("inf")
+    logits[2, :] = float("-inf")
+    got = cross_entropy(logits, target, reduction="none")
+    expected = _reference(logits, target, reduction="none")
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    assert torch.isnan(got[:3]).all() and torch.isfinite(got[3])
+
+
+def test_target_out_of_range_gives_nan_row(device):
+    logits, target = _inputs(3, 20, torch.float32, device)
+    target[1] = 20
+    target[2] = -5
+    loss = cross_entropy(logits, target, reduction="none")
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1:]).all()
+
+
+def test_backward_twice_raises(device):
+    logits, target = _inputs(2, 10, torch.float32, device)
+    xk = logits.clone().requires_grad_(True)
+    loss = cross_entropy(xk, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_inference_path_needs_no_grad(device):
+    logits, target = _inputs(3, 100, torch.float32, device)
+    xk = logits.clone().requires_grad_(True)
+    with torch.no_grad():
+        loss = cross_entropy(xk, target)
+    assert loss.grad_fn is None
+    assert_close(loss, _reference(logits, target), torch.float32)
+
+
+def test_bad_inputs_name_the_argument(device):
+    logits, target = _inputs(2, 10, torch.float32, device)
+    cases = [
+        (dict(logits=logits.double()), TypeError, "logits"),
+        (dict(logits=logits.tolist()), TypeError, "logits"),
+        (dict(target=target.float()), TypeError, "target"),
+        (dict(target=target[:1]), ValueError, "target"),
+        (dict(logits=logits[None]), ValueError, "logits"),
+        (dict(logits=logits[:, :0], target=target), ValueError, "logits"),
+        (dict(reduction="avg"), ValueError, "reduction"),
+        (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+        (dict(ignore_index=1.0), TypeError, "ignore_index"),
+    ]
+    for override, error, name in cases:
+        kw = dict(logits=logits, target=target) | override
+        with pytest.raises(error, match=name):
+            cross_entropy(**kw)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    vocab=st.integers(1, 300),
+    cap=st.sampled_from([16, 64, 512]),
+    label_smoothing=st.sampled_from([0.0, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_match_reference(rows, vocab, cap, label_smoothing, seed):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    logits, target = _inputs(rows, vocab, torch.float32, device, seed=seed)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        lower_block_cap(monkeypatch, "cross_entropy", cap)
+        xk = logits.clone().requires_grad_(True)
+        loss = cross_entropy(xk, target, label_smoothing=label_smoothing)
+        loss.backward()
+    xr = leaf(logits)
+    expected = _reference(xr, target, label_smoothing=label_smoothing)
+    expected.backward()
+    assert_close(loss, expected, torch.float32)
+    assert_close(xk.grad, xr.grad, torch.float32)
