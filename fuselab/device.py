@@ -41,6 +41,18 @@ def _version(module: str) -> str | None:
         return None
 
 
+def recover_from_failed_capture() -> None:
+    """Undo what a failed CUDA-graph capture leaves behind in the CUDA random generators.
+
+    A capture that raises midway never runs the generators' capture epilogue, so they stay in
+    capture mode and the next random op outside a graph fails ("Offset increment outside graph
+    capture"). Swapping in a fresh copy of each generator's state (same seed and offset, not
+    capturing) puts them back in order.
+    """
+    for gen in torch.cuda.default_generators:
+        gen.graphsafe_set_state(gen.clone_state())
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str

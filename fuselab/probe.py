@@ -28,7 +28,7 @@ from fuselab.timing import bench
 
 TINY = 256  # side of the square fp32 tensor of the "tiny kernel" experiment
 CHAIN = 1000  # kernels in the launch-overhead chain
-SWEEP_SIDES = (256, 512, 1024, 2048, 4096, 8192)
+SWEEP_SIDES = (256, 362, 512, 724, 1024, 1448, 2048, 2896, 4096, 5793, 8192)  # steps of sqrt(2) in side
 LAUNCH_SHARE = 0.10  # "launch cost under 10% of the kernel's time"
 
 
@@ -330,12 +330,12 @@ def verdict(result: dict) -> list[str]:
             "smaller elementwise kernels are launch-bound; fuse them."
         )
     syncs = result.get("sync", {}).get("idle_device_us")
-    if syncs and "eager_us_per_kernel" in launch:
+    if syncs:
         worst = max(syncs, key=syncs.get)
         lines.append(
-            f"A host sync costs {min(syncs.values()):.0f}-{syncs[worst]:.0f} us on an idle device (worst: {worst}), the time of "
-            f"~{syncs[worst] / launch['eager_us_per_kernel']:.0f} tiny launches, and drains the queue: keep .item()/.cpu()/print "
-            "out of hot loops."
+            f"Host syncs cost {syncs['torch.cuda.synchronize()']:.0f} us (synchronize) to {syncs[worst]:.0f} us ({worst}) on an "
+            f"idle device, and each drains the queue so the GPU idles until the host launches again: keep .item(), .cpu(), "
+            "print and `if tensor:` out of hot loops."
         )
     ceil = result.get("ceilings", {})
     if "bf16_tflops" in ceil:
@@ -367,7 +367,7 @@ def run_probe(quick: bool = False, on_section: Callable[[str, int, int], None] |
     trials = 3 if quick else 7
     sections: list[tuple[str, Callable[[], dict]]] = [
         ("launch", lambda: measure_launch(trials)),
-        ("size_sweep", lambda: measure_size_sweep(trials, SWEEP_SIDES[:4] if quick or not gpu else SWEEP_SIDES,
+        ("size_sweep", lambda: measure_size_sweep(trials, SWEEP_SIDES[:7:2] if quick or not gpu else SWEEP_SIDES,
                                                   budget_us=20_000 if quick else 100_000)),
         ("ceilings", lambda: measure_ceilings((256 if quick or not gpu else 2048) * 2**20,
                                               (2048 if not gpu else 4096 if quick else 8192), rep_ms=50 if quick else 300)),

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from fuselab.device import has_cuda
+from fuselab.device import has_cuda, recover_from_failed_capture
 
 
 def _synchronize(barrier: bool = False) -> None:
@@ -323,6 +323,7 @@ def _bench_graph(fn, warmup_ms, rep_ms, min_reps, max_reps) -> list[float]:
                 for _ in range(n_inner):
                     fn()
         except Exception as err:
+            recover_from_failed_capture()
             raise RuntimeError(
                 f"bench(cuda_graph=True): fn could not be captured in a CUDA graph ({err}). "
                 "Graph capture forbids host syncs (.item(), .cpu(), printing a tensor) and CPU tensors; "

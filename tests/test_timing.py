@@ -216,3 +216,13 @@ def test_bench_graph_mode_names_capture_unsafe_code():
     x = torch.randn(8, device="cuda")
     with pytest.raises(RuntimeError, match="could not be captured"):
         bench(lambda: x.sum().item(), cuda_graph=True)
+
+
+@pytest.mark.gpu
+def test_random_ops_work_after_a_failed_capture():
+    x = torch.randn(8, device="cuda")
+    with pytest.raises(RuntimeError, match="could not be captured"):
+        bench(lambda: x.sum().item(), cuda_graph=True)
+    assert torch.randn(4, device="cuda").isfinite().all()
+    g = bench(lambda: torch.randn(64, device="cuda"), cuda_graph=True, rep_ms=5)
+    assert g.mode == "cuda-graph"
