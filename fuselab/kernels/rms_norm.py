@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._residual import load_input_row
 from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups
 from fuselab.kernels._validate import (
     check_at_least_1d,
@@ -28,24 +29,12 @@ from fuselab.kernels._validate import (
 
 
 @triton.jit
-def _load_row_input(X, R, H, offs, mask, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
-    """x, or h = x + residual rounded to the input dtype (as the unfused add leaves it), in fp32."""
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        h = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
-        if STORE_SUM:
-            tl.store(H + offs, h, mask=mask)
-        x = h.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
-    x = _load_row_input(X, R, H, offs, mask, HAS_RESIDUAL, True)
+    x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     tl.store(RSTD + row, rstd)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -61,7 +50,7 @@ def _rms_norm_forward_looped_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDU
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = _load_row_input(X, R, H, base + cols, mask, HAS_RESIDUAL, True)
+        x = load_input_row(X, R, H, base + cols, mask, HAS_RESIDUAL, True)
         sum_sq += x * x
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
     tl.store(RSTD + row, rstd)
@@ -69,7 +58,7 @@ def _rms_norm_forward_looped_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDU
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         # Recomputed from the inputs rather than read back from H, so no pass depends on another's stores.
-        x = _load_row_input(X, R, H, base + cols, mask, HAS_RESIDUAL, False)
+        x = load_input_row(X, R, H, base + cols, mask, HAS_RESIDUAL, False)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(Y + base + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
