@@ -1,0 +1,239 @@
+"""`fuselab bench graphs`: a launch-bound chain, eager vs `fuselab.graphed` vs torch.compile's
+reduce-overhead mode, side by side in one run.
+
+The chain is an MLP of tiny Linear + SiLU layers: at small batches every kernel finishes in a few
+microseconds, so an eager call costs what launching its kernels costs. Every mode is timed as the
+whole Python call (graphed: the copy into the static buffers, the replay and the slicing;
+compiled: its guards and input copies), with CUDA events and no L2 flush: a flush kernel between
+calls would let the host queue the next call's launches while the GPU is busy, hiding the very
+launch cost this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fuselab.device import device_info, has_cuda
+from fuselab.graphs import graphed
+from fuselab.timing import bench
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MODES = ("eager", "graphed", "compiled")
+# Host calls that put work on the GPU: kernels (runtime and driver API, which Triton uses), graphs, copies.
+_LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset")
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"batch sizes must be comma-separated ints, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive ints, got {text!r}")
+    return sorted(set(sizes))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=64, help="Linear+SiLU layers in the chain (default 64: ~128 kernels a call)")
+    parser.add_argument("--width", type=int, default=128, help="features per layer (default 128)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="B1,B2,...",
+                        help="batch sizes to time (default 1,2,4,8,16,32,64); graphed captures buckets up to the largest")
+    parser.add_argument("--rep-ms", type=float, default=200.0, help="measuring time per mode and batch size (default 200)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compilation takes the longest)")
+    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                        help="folder for graphs.json, graphs.md and graphs.png (default benchmarks/results)")
+
+
+def launch_bound_mlp(layers: int, width: int, dtype: torch.dtype) -> torch.nn.Sequential:
+    """`layers` x (Linear(width, width), SiLU) on the GPU, for inference."""
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width, device="cuda", dtype=dtype), torch.nn.SiLU()]
+    return torch.nn.Sequential(*blocks).eval()
+
+
+def count_launches(fn: Callable[[], object]) -> dict[str, int]:
+    """GPU kernels one call runs and host calls it makes to launch work, from one profiled call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+    launches = sum(1 for e in events if e.name.startswith(_LAUNCH_CALLS))
+    return {"kernels": kernels, "launches": launches}
+
+
+def _timed_first_calls(fn: Callable[[], object], calls: int = 3) -> float:
+    """Seconds for the first calls, synchronized: compilation, warm-up and graph recording."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Time every mode at every batch size; the result as one JSON-ready dict."""
+    torch.manual_seed(0)
+    model = launch_bound_mlp(args.layers, args.width, DTYPES[args.dtype])
+    fast = graphed(model, max_batch_size=max(args.batch_sizes))
+    # Default dynamic=None: what users get; it recompiles once with a dynamic batch, then records a graph per size.
+    compiled = None if args.no_compile else torch.compile(model, mode="reduce-overhead")
+    calls = {"eager": model, "graphed": fast, "compiled": compiled}
+    rows = []
+    with torch.no_grad():
+        for batch in args.batch_sizes:
+            x = torch.randn(batch, args.width, device="cuda", dtype=DTYPES[args.dtype])
+            row: dict = {"batch": batch, "compile_s": None}
+            if compiled is not None:
+                row["compile_s"] = _timed_first_calls(lambda: compiled(x))
+            fast(x)  # the first call captures every bucket: timed by fast.stats, not here
+            expected = model(x)
+            row["graphed_max_diff"] = _max_diff(fast(x), expected)
+            row["compiled_max_diff"] = None if compiled is None else _max_diff(compiled(x).clone(), expected)
+            for mode in MODES:
+                call = calls[mode]
+                if call is None:
+                    row[mode] = None
+                    continue
+                result = bench(lambda: call(x), rep_ms=args.rep_ms, flush_l2=False)
+                row[mode] = {"median_us": result.median_us, **count_launches(lambda: call(x))}
+            row["graphed_speedup"] = row["eager"]["median_us"] / row["graphed"]["median_us"]
+            row["compiled_speedup"] = None if compiled is None else row["eager"]["median_us"] / row["compiled"]["median_us"]
+            rows.append(row)
+    compile_times = [r["compile_s"] for r in rows if r["compile_s"] is not None]
+    return {
+        "header": {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": device_info().to_dict(),
+            "command": shlex.join(["fuselab", *sys.argv[1:]]) if Path(sys.argv[0]).name == "fuselab" else shlex.join(sys.argv),
+        },
+        "config": {"layers": args.layers, "width": args.width, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
+                   "rep_ms": args.rep_ms, "workload": f"{args.layers} x (Linear({args.width}, {args.width}) + SiLU)"},
+        "graphed": {"buckets": list(fast.stats.buckets), "capture_s": fast.stats.capture_s,
+                    "pool_reserved_bytes": fast.stats.pool_reserved_bytes, "input_buffer_bytes": fast.stats.input_buffer_bytes,
+                    "eager_calls": fast.stats.eager_calls},
+        "compiled": None if compiled is None else {"sizes_recorded": len(compile_times), "compile_s": sum(compile_times)},
+        "rows": rows,
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _table_rows(result: dict) -> list[list[str]]:
+    out = []
+    for r in result["rows"]:
+        times = [_fmt(r[m] and r[m]["median_us"], ".1f") for m in MODES]
+        kernels = "/".join(_fmt(r[m] and r[m]["kernels"], "d") for m in MODES)
+        launches = "/".join(_fmt(r[m] and r[m]["launches"], "d") for m in MODES)
+        out.append([str(r["batch"]), *times, _fmt(r["graphed_speedup"], ".1f") + "x", _fmt(r["compiled_speedup"], ".1f") + "x",
+                    kernels, launches, _fmt(r["compile_s"], ".2f")])
+    return out
+
+
+COLUMNS = ["batch", "eager us", "graphed us", "compiled us", "graphed speedup", "compiled speedup",
+           "kernels/call e/g/c", "launches/call e/g/c", "compile+record s"]
+
+
+def _summary_lines(result: dict) -> list[str]:
+    g, c = result["graphed"], result["compiled"]
+    lines = [f"graphed: {len(g['buckets'])} buckets {g['buckets']} captured in {g['capture_s']:.2f} s, "
+             f"pool {g['pool_reserved_bytes'] / 2**20:.1f} MiB + inputs {g['input_buffer_bytes'] / 2**20:.2f} MiB"]
+    if c is not None:
+        lines.append(f"torch.compile(mode='reduce-overhead'): compile + record for {c['sizes_recorded']} sizes in {c['compile_s']:.2f} s")
+    return lines
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    h, d = result["header"], result["header"]["device"]
+    lines = [
+        "# fuselab bench graphs",
+        "",
+        f"- date: {h['date']}",
+        f"- GPU: {d['name']} (torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}, Python {d['python']})",
+        f"- command: `{h['command']}`",
+        f"- workload: {result['config']['workload']}, {result['config']['dtype']}; time per whole Python call (median)",
+        *[f"- {line}" for line in _summary_lines(result)],
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---:|" * len(COLUMNS),
+        *["| " + " | ".join(row) + " |" for row in _table_rows(result)],
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [r["batch"] for r in result["rows"]]
+    fig, (times, speedups) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in MODES:
+        if result["rows"][0][mode] is not None:
+            times.plot(batches, [r[mode]["median_us"] for r in result["rows"]], marker="o", label=mode)
+    for mode in ("graphed", "compiled"):
+        if result["rows"][0][f"{mode}_speedup"] is not None:
+            speedups.plot(batches, [r[f"{mode}_speedup"] for r in result["rows"]], marker="o", label=mode)
+    times.set(xscale="log", yscale="log", xlabel="batch size", ylabel="us per call", title=result["config"]["workload"])
+    speedups.set(xscale="log", xlabel="batch size", ylabel="speedup over eager", title=result["header"]["device"]["name"])
+    for ax in (times, speedups):
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fuselab bench graphs: {result['config']['workload']}, {result['config']['dtype']}")
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for row in _table_rows(result):
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    for line in _summary_lines(result):
+        console.print(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not has_cuda():
+        print("fuselab bench graphs needs a CUDA GPU: CUDA graphs and launch overhead exist only there. Nothing was measured.")
+        return 0
+    result = measure(args)
+    print_table(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graphs.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result, out / "graphs.md")
+    write_plot(result, out / "graphs.png")
+    print(f"wrote {out / 'graphs.json'}, {out / 'graphs.md'}, {out / 'graphs.png'}")
+    return 0
