@@ -25,6 +25,7 @@ def _add_probe(sub) -> None:
     )
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", help="write a plot (PNG) of the size sweep and the launch/sync costs to PATH")
+    p.add_argument("--markdown", metavar="PATH", help="write the tables and the verdict as Markdown to PATH")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sizes (a rough result in seconds)")
     p.add_argument("--no-cache", action="store_true", help="do not save the result as this machine's ceilings")
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "probe":
         from fuselab.probe import main as probe_main
 
-        return probe_main(json_path=args.json, plot_path=args.plot, quick=args.quick, cache=not args.no_cache)
+        return probe_main(json_path=args.json, plot_path=args.plot, markdown_path=args.markdown, quick=args.quick, cache=not args.no_cache)
     if args.command == "bench":
         return importlib.import_module(BENCH_SUBJECTS[args.subject][0]).run(args)
     raise AssertionError(f"unhandled command {args.command}")

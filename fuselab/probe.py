@@ -396,11 +396,17 @@ def run_probe(quick: bool = False, on_section: Callable[[str, int, int], None] |
     return result
 
 
-def main(json_path: str | None = None, plot_path: str | None = None, quick: bool = False, cache: bool = True) -> int:
+def main(
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    markdown_path: str | None = None,
+    quick: bool = False,
+    cache: bool = True,
+) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from fuselab.probe_report import plot, render
+    from fuselab.probe_report import markdown, plot, render
 
     console = Console()
     gpu = has_cuda()
@@ -422,6 +428,10 @@ def main(json_path: str | None = None, plot_path: str | None = None, quick: bool
     if plot_path:
         plot(result, plot_path)
         console.print(f"wrote {plot_path}")
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(markdown(result))
+        console.print(f"wrote {markdown_path}")
     if cache and gpu:
         path = probe_cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)

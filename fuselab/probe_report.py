@@ -10,14 +10,7 @@ def _fmt(value: float, digits: int = 2) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _figures_table(result: dict) -> Table:
-    meta = result["meta"]
-    table = Table(title=f"fuselab probe: {meta['name']} (torch {meta['torch']}, triton {meta['triton']})")
-    table.add_column("section")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    table.add_column("unit")
-
+def _figure_rows(result: dict) -> list[tuple[str, str, str, str]]:
     launch = result["launch"]
     rows = [
         ("launch", f"{launch['kernels']} x {launch['tensor']}, eager, one sync at the end", launch["eager_us_per_kernel"], "us/kernel"),
@@ -57,29 +50,68 @@ def _figures_table(result: dict) -> Table:
             ("streams", "overlap achieved, pinned", streams["overlap_pct"], "%"),
             ("streams", "overlap achieved, pageable", streams["pageable_overlap_pct"], "%"),
         ]
-    for section, figure, value, unit in rows:
-        table.add_row(section, figure, _fmt(value), unit)
+    out = [(section, figure, _fmt(value), unit) for section, figure, value, unit in rows]
     if streams:
-        table.add_row("streams", "cross-stream ordering with an event", "holds" if streams["event_ordering_correct"] else "BROKEN", "")
-    return table
+        out.append(("streams", "cross-stream ordering with an event", "holds" if streams["event_ordering_correct"] else "BROKEN", ""))
+    return out
 
 
-def _sweep_table(result: dict) -> Table:
-    sweep = result["size_sweep"]
-    table = Table(title=f"size sweep: {sweep['tensor']}")
-    for col in ("side", "MiB moved", "launches", "eager us/kernel", "graph us/kernel", "launch share"):
-        table.add_column(col, justify="right")
-    for r in sweep["rows"]:
+FIGURE_COLUMNS = ("section", "figure", "value", "unit")
+SWEEP_COLUMNS = ("side", "MiB moved", "launches", "eager us/kernel", "graph us/kernel", "launch share")
+
+
+def _sweep_rows(result: dict) -> list[tuple[str, ...]]:
+    rows = []
+    for r in result["size_sweep"]["rows"]:
         graph = _fmt(r["graph_us_per_kernel"]) if "graph_us_per_kernel" in r else "-"
         share = f"{r['launch_share_pct']:.0f}%" if "launch_share_pct" in r else "-"
-        table.add_row(str(r["side"]), _fmt(r["bytes"] / 2**20, 1), str(r["launches"]), _fmt(r["eager_us_per_kernel"]), graph, share)
+        rows.append((str(r["side"]), _fmt(r["bytes"] / 2**20, 1), str(r["launches"]), _fmt(r["eager_us_per_kernel"]), graph, share))
+    return rows
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], left: int = 0) -> Table:
+    table = Table(title=title)
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i < left else "right")
+    for row in rows:
+        table.add_row(*row)
     return table
+
+
+def _markdown_table(columns: tuple[str, ...], rows: list[tuple[str, ...]], left: int = 0) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if i < left else "---:" for i in range(len(columns))) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def markdown(result: dict) -> str:
+    """The same figures as the terminal tables, as Markdown for results files and the README."""
+    meta = result["meta"]
+    lines = [
+        f"# fuselab probe: {meta['name']}",
+        "",
+        f"{meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, Python {meta['python']}; "
+        f"command: `{meta['command']}`",
+        "",
+        *_markdown_table(FIGURE_COLUMNS, _figure_rows(result), left=2),
+        "",
+        f"Size sweep ({result['size_sweep']['tensor']}):",
+        "",
+        *_markdown_table(SWEEP_COLUMNS, _sweep_rows(result)),
+        "",
+        "Verdict:",
+        "",
+    ]
+    lines += [f"- {line}" for line in result["verdict"]]
+    lines += [f"- skipped {s['section']}: {s['reason']}" for s in result.get("skipped", [])]
+    return "\n".join(lines) + "\n"
 
 
 def render(result: dict, console: Console | None = None) -> None:
     console = console or Console()
-    console.print(_figures_table(result))
-    console.print(_sweep_table(result))
+    meta = result["meta"]
+    title = f"fuselab probe: {meta['name']} (torch {meta['torch']}, triton {meta['triton']})"
+    console.print(_table(title, FIGURE_COLUMNS, _figure_rows(result), left=2))
+    console.print(_table(f"size sweep: {result['size_sweep']['tensor']}", SWEEP_COLUMNS, _sweep_rows(result)))
     for skipped in result.get("skipped", []):
         console.print(f"[yellow]skipped[/] {skipped['section']}: {skipped['reason']}")
     console.print("[bold]verdict[/]")

@@ -57,15 +57,18 @@ def test_probe_on_cpu_runs_and_lists_what_it_skipped():
 def test_probe_cli_on_cpu_exits_zero_and_writes_json_and_plot(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")
-    out, png = tmp_path / "probe.json", tmp_path / "probe.png"
+    out, png, md = tmp_path / "probe.json", tmp_path / "probe.png", tmp_path / "probe.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "fuselab", "probe", "--quick", "--json", str(out), "--plot", str(png)],
+        [sys.executable, "-m", "fuselab", "probe", "--quick", "--json", str(out), "--plot", str(png), "--markdown", str(md)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "needs a CUDA GPU" in proc.stdout
     assert json.loads(out.read_text())["meta"]["kind"] == "cpu"
     assert png.stat().st_size > 10_000
+    text = md.read_text()
+    assert "| launch | CPU time to issue one launch (no sync) |" in text
+    assert "skipped sync: host-device sync cost needs a CUDA GPU" in text
 
 
 @pytest.mark.gpu
