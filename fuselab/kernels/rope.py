@@ -1,0 +1,262 @@
+"""Rotary position embedding of queries and keys in one launch.
+
+One program per token loads that token's cos/sin row from a precomputed cache once and rotates
+every query head and every key head with it. The two layouts pair dimensions differently:
+"rotate_half" (Llama, NeoX) rotates (x[i], x[i + r/2]); "interleaved" (GPT-J) rotates
+(x[2i], x[2i + 1]). With a rotary dim r below the head dim, the dims past r pass through unchanged.
+
+Out of place: the inputs are never written, and the outputs have the inputs' shapes and dtypes.
+That keeps q and k safe to save for backward elsewhere (the projections that produce them do).
+Backward rotates the incoming gradients by the opposite angle: the transpose of a rotation.
+Positions outside [0, max_pos) of the cache give NaN rows instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._validate import check_float_tensor
+
+LAYOUTS = ("rotate_half", "interleaved")
+# Elements of one head tile: heads are walked in blocks of this many values per pair half, which
+# bounds registers for models with many heads while covering typical q heads in one step.
+_TILE_ELEMENTS = 2048
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, x_stride_h, out_ptr, out_stride_h, n_heads, cos, sin,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    if INTERLEAVED:
+        first, second = 2 * pairs, 2 * pairs + 1
+    else:
+        first, second = pairs, pairs + HALF
+    for head_start in range(0, n_heads, BLOCK_HEADS):
+        head = head_start + heads
+        mask = (head < n_heads) & (pairs < HALF)
+        x_head = x_ptr + head * x_stride_h
+        out_head = out_ptr + head * out_stride_h
+        x1 = tl.load(x_head + first, mask=mask).to(tl.float32)
+        x2 = tl.load(x_head + second, mask=mask).to(tl.float32)
+        tl.store(out_head + first, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_head + second, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        if BLOCK_PASS > 0:
+            # Partial rotary: the dims past the rotary dim are copied as they are.
+            dims = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+            pass_mask = (head < n_heads) & (dims < HEAD_DIM)
+            tl.store(out_head + dims, tl.load(x_head + dims, mask=pass_mask), mask=pass_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, q_stride_b, q_stride_s, q_stride_h,
+    k_ptr, k_stride_b, k_stride_s, k_stride_h,
+    q_out_ptr, q_out_stride_b, q_out_stride_s, q_out_stride_h,
+    k_out_ptr, k_out_stride_b, k_out_stride_s, k_out_stride_h,
+    positions_ptr, positions_stride_b, positions_stride_s,
+    cos_sin_ptr, cos_sin_stride, max_pos,
+    seq_len, n_q_heads, n_k_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+):
+    # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
+    token = tl.program_id(0).to(tl.int64)
+    b = token // seq_len
+    s = token % seq_len
+    pos = tl.load(positions_ptr + b * positions_stride_b + s * positions_stride_s).to(tl.int64)
+
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    in_cache = (pos >= 0) & (pos < max_pos)
+    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * cos_sin_stride
+    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
+    cos = tl.where(in_cache, cos, float("nan"))
+    sin = tl.where(in_cache, sin, float("nan"))
+    if INVERSE:
+        sin = -sin
+
+    _rotate_heads(
+        q_ptr + b * q_stride_b + s * q_stride_s, q_stride_h,
+        q_out_ptr + b * q_out_stride_b + s * q_out_stride_s, q_out_stride_h,
+        n_q_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED,
+    )
+    _rotate_heads(
+        k_ptr + b * k_stride_b + s * k_stride_s, k_stride_h,
+        k_out_ptr + b * k_out_stride_b + s * k_out_stride_s, k_out_stride_h,
+        n_k_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED,
+    )
+
+
+def _token_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, sequence, head) strides of a [B, S, H, D] or [T, H, D] tensor."""
+    if t.dim() == 4:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return 0, t.stride(0), t.stride(1)
+
+
+def _positions_strides(positions: torch.Tensor) -> tuple[int, int]:
+    """(batch, sequence) strides; positions [S] for a [B, S, ...] input are shared by every batch."""
+    if positions.dim() == 2:
+        return positions.stride(0), positions.stride(1)
+    return 0, positions.stride(0)
+
+
+def _head_block(n_heads: int, block_half: int) -> int:
+    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE_ELEMENTS // block_half))
+
+
+def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool):
+    head_dim = q.shape[-1]
+    rotary_dim = cos_sin.shape[1]
+    seq_len = q.shape[1] if q.dim() == 4 else q.shape[0]
+    n_tokens = q.shape[0] * seq_len if q.dim() == 4 else seq_len
+    # empty_like keeps a dense input's strides (a transposed [B, H, S, D] view stays one).
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if n_tokens == 0:
+        return q_out, k_out
+    half = rotary_dim // 2
+    block_half = triton.next_power_of_2(half)
+    pass_dims = head_dim - rotary_dim
+    _rope_kernel[(n_tokens,)](
+        q, *_token_strides(q),
+        k, *_token_strides(k),
+        q_out, *_token_strides(q_out),
+        k_out, *_token_strides(k_out),
+        positions, *_positions_strides(positions),
+        cos_sin, cos_sin.stride(0), cos_sin.shape[0],
+        seq_len, q.shape[-2], k.shape[-2],
+        HALF=half, BLOCK_HALF=block_half,
+        BLOCK_Q_HEADS=_head_block(q.shape[-2], block_half), BLOCK_K_HEADS=_head_block(k.shape[-2], block_half),
+        HEAD_DIM=head_dim, BLOCK_PASS=triton.next_power_of_2(pass_dims) if pass_dims else 0,
+        INTERLEAVED=interleaved, INVERSE=inverse,
+    )
+    return q_out, k_out
+
+
+def _check_inputs(q, k, positions, cos_sin, layout) -> None:
+    check_float_tensor("q", q)
+    check_float_tensor("k", k)
+    check_float_tensor("cos_sin", cos_sin)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must be [tokens, heads, head_dim] or [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dim() != q.dim() or k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k must match q {tuple(q.shape)} in every dim but the heads, got shape {tuple(k.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k must have a contiguous last (head_dim) dimension; other strides may be anything")
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise TypeError(f"positions must hold integers, got {positions.dtype}")
+    leading = q.shape[:-2]
+    if positions.shape != leading and not (q.dim() == 4 and positions.shape == leading[1:]):
+        raise ValueError(f"positions must have shape {tuple(leading)} (or [seq] for a 4-D q), got {tuple(positions.shape)}")
+    if cos_sin.dim() != 2 or cos_sin.shape[1] % 2 or not 0 < cos_sin.shape[1] <= q.shape[-1]:
+        raise ValueError(
+            f"cos_sin must be [max_pos, rotary_dim] with an even rotary_dim <= head_dim {q.shape[-1]}, got shape {tuple(cos_sin.shape)}"
+        )
+    if cos_sin.stride(1) != 1:
+        raise ValueError("cos_sin must have a contiguous last dimension")
+    for name, t in (("k", k), ("positions", positions), ("cos_sin", cos_sin)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+class RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, positions, cos_sin, interleaved):
+        ctx.save_for_backward(positions, cos_sin)
+        ctx.interleaved = interleaved
+        return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad_q_out, grad_k_out):
+        positions, cos_sin = ctx.saved_tensors
+        # The incoming gradients may be strided views; rotation reads any strides but a unit last one.
+        grad_q_out = grad_q_out if grad_q_out.stride(-1) == 1 else grad_q_out.contiguous()
+        grad_k_out = grad_k_out if grad_k_out.stride(-1) == 1 else grad_k_out.contiguous()
+        grad_q, grad_k = _launch_rope(grad_q_out, grad_k_out, positions, cos_sin, ctx.interleaved, inverse=True)
+        return grad_q, grad_k, None, None, None
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    layout: str = "rotate_half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries q [tokens, q_heads, head_dim] and keys k [tokens, kv_heads, head_dim] (or
+    [batch, seq, heads, head_dim]) by the angles of their `positions` (integers, any values, shaped
+    like the leading dims, or [seq] for 4-D inputs), using a `cos_sin` cache [max_pos, rotary_dim]
+    from `rope_cos_sin`. Returns new (q, k); differentiable in q and k, not in the cache.
+    """
+    _check_inputs(q, k, positions, cos_sin, layout)
+    interleaved = layout == "interleaved"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
+    return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between the two bands."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    original_max_pos = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = original_max_pos / low_freq_factor
+    high_freq_wavelen = original_max_pos / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_pos / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_between = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_between, blended, scaled)
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_cos_sin(
+    max_pos: int,
+    rotary_dim: int,
+    base: float = 10000.0,
+    scaling: dict | None = None,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The cache `apply_rope` reads: row p holds [cos(p * f_i) for i < r/2, sin(p * f_i) for i < r/2]
+    with f_i = base^(-2i / r). `scaling` takes Llama 3.1's rope scaling, a dict with factor,
+    low_freq_factor, high_freq_factor and original_max_position_embeddings (Hugging Face's
+    `rope_scaling` / `rope_parameters` with rope_type "llama3"; other keys are ignored).
+    Angles are computed in float64 so long contexts keep their precision.
+    """
+    if not isinstance(max_pos, int) or max_pos < 0:
+        raise ValueError(f"max_pos must be a non-negative int, got {max_pos!r}")
+    if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
+    if not base > 0:
+        raise ValueError(f"base must be positive, got {base!r}")
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "llama3"))
+        missing = [key for key in _LLAMA3_KEYS if key not in scaling]
+        if rope_type != "llama3" or missing:
+            raise ValueError(f"scaling must be Llama 3 rope scaling with keys {_LLAMA3_KEYS}; got {scaling!r}")
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device=device, dtype=dtype)

@@ -1,0 +1,186 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernel_checks import DTYPES, assert_close, leaf
+
+from fuselab.kernels import reference
+from fuselab.kernels import rope as rope_module
+from fuselab.kernels.rope import apply_rope, rope_cos_sin
+
+LAYOUTS = ("rotate_half", "interleaved")
+MAX_POS = 64
+
+
+def _qk(leading, q_heads, k_heads, head_dim, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*leading, q_heads, head_dim, generator=g).to(dtype).to(device)
+    k = torch.randn(*leading, k_heads, head_dim, generator=g).to(dtype).to(device)
+    positions = torch.randint(0, MAX_POS, leading, generator=g).to(device)
+    return q, k, positions
+
+
+def _check_against_reference(q, k, positions, cos_sin, layout, dtype):
+    got_q, got_k = apply_rope(q, k, positions, cos_sin, layout)
+    ref_q, ref_k = reference.apply_rope(q.double(), k.double(), positions, cos_sin.double(), layout)
+    assert got_q.dtype == q.dtype and got_q.shape == q.shape and got_k.shape == k.shape
+    assert_close(got_q, ref_q, dtype)
+    assert_close(got_k, ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (2, 2), (80, 32), (24, 6)])
+def test_forward_matches_reference(device, dtype, layout, head_dim, rotary_dim):
+    q, k, positions = _qk((5,), 3, 1, head_dim, dtype, device)
+    cos_sin = rope_cos_sin(MAX_POS, rotary_dim, device=device)
+    _check_against_reference(q, k, positions, cos_sin, layout, dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batched_input_with_per_batch_or_shared_positions(device, layout):
+    q, k, positions = _qk((2, 7), 4, 2, 16, torch.float32, device)
+    cos_sin = rope_cos_sin(MAX_POS, 16, device=device)
+    _check_against_reference(q, k, positions, cos_sin, layout, torch.float32)
+    _check_against_reference(q, k, positions[0], cos_sin, layout, torch.float32)
+
+
+def test_strided_views_are_read_and_written_in_place_layouts(device):
+    # q and k sliced from one fused projection, then viewed [B, H, S, D] -> [B, S, H, D] as HF does.
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 5, (4 + 2 + 2) * 8, generator=g).to(device)
+    q = qkv[..., : 4 * 8].view(2, 5, 4, 8)
+    k = qkv[..., 4 * 8 : 6 * 8].view(2, 5, 2, 8)
+    positions = torch.tensor([3, 9, 1, 0, 40], device=device)
+    cos_sin = rope_cos_sin(MAX_POS, 8, device=device)
+    _check_against_reference(q, k, positions, cos_sin, "rotate_half", torch.float32)
+    q_bhsd = q.transpose(1, 2).contiguous()
+    out_q, _ = apply_rope(q_bhsd.transpose(1, 2), k, positions, cos_sin)
+    assert out_q.stride() == q_bhsd.transpose(1, 2).stride()  # a transposed view stays one
+    assert_close(out_q, reference.apply_rope(q.double(), k.double(), positions, cos_sin.double())[0], torch.float32)
+
+
+def test_many_heads_take_several_head_blocks(device, monkeypatch):
+    monkeypatch.setattr(rope_module, "_TILE_ELEMENTS", 16)
+    q, k, positions = _qk((3,), 7, 5, 32, torch.float32, device)
+    _check_against_reference(q, k, positions, rope_cos_sin(MAX_POS, 32, device=device), "rotate_half", torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backward_matches_autograd_of_reference(device, dtype, layout):
+    q, k, positions = _qk((4,), 3, 2, 40, dtype, device)
+    cos_sin = rope_cos_sin(MAX_POS, 24, device=device)
+    g = torch.Generator().manual_seed(1)
+    dq = torch.randn(q.shape, generator=g).to(dtype).to(device)
+    dk = torch.randn(k.shape, generator=g).to(dtype).to(device)
+    qk, kk = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    out_q, out_k = apply_rope(qk, kk, positions, cos_sin, layout)
+    torch.autograd.backward((out_q, out_k), (dq, dk))
+    qr, kr = leaf(q), leaf(k)
+    ref_q, ref_k = reference.apply_rope(qr, kr, positions, cos_sin.double(), layout)
+    torch.autograd.backward((ref_q, ref_k), (dq.double(), dk.double()))
+    assert_close(qk.grad, qr.grad, dtype)
+    assert_close(kk.grad, kr.grad, dtype)
+
+
+def test_gradient_through_q_only(device):
+    q, k, positions = _qk((3,), 2, 1, 8, torch.float32, device)
+    cos_sin = rope_cos_sin(MAX_POS, 8, device=device)
+    qk = q.clone().requires_grad_(True)
+    out_q, _ = apply_rope(qk, k, positions, cos_sin)
+    out_q.sum().backward()
+    qr = leaf(q)
+    reference.apply_rope(qr, k.double(), positions, cos_sin.double())[0].sum().backward()
+    assert_close(qk.grad, qr.grad, torch.float32)
+
+
+def test_cache_holds_cos_then_sin_of_position_times_frequency():
+    cos_sin = rope_cos_sin(10, 6, base=100.0)
+    freqs = [100.0 ** (-2 * i / 6) for i in range(3)]
+    expected = torch.tensor([[math.cos(p * f) for f in freqs] + [math.sin(p * f) for f in freqs] for p in range(10)])
+    torch.testing.assert_close(cos_sin, expected.float())
+
+
+def test_llama3_scaling_matches_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=512, rope_parameters=dict(scaling, rope_theta=500000.0)
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    positions = torch.arange(512, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq.double())
+    expected = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    got = rope_cos_sin(512, 64, base=500000.0, scaling=scaling, dtype=torch.float64)
+    # transformers computes the frequencies in float32: at position 511 that is ~5e-5 of angle.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    assert not torch.allclose(got, rope_cos_sin(512, 64, base=500000.0, dtype=torch.float64))
+
+
+def test_positions_outside_the_cache_give_nan(device):
+    q, k, _ = _qk((3,), 2, 1, 8, torch.float32, device)
+    positions = torch.tensor([0, MAX_POS, -1], device=device)
+    out_q, out_k = apply_rope(q, k, positions, rope_cos_sin(MAX_POS, 8, device=device))
+    assert torch.isfinite(out_q[0]).all() and torch.isnan(out_q[1:]).all() and torch.isnan(out_k[1:]).all()
+
+
+def test_nan_propagates_like_reference(device):
+    q, k, positions = _qk((2,), 2, 1, 8, torch.float32, device)
+    q[0, 1, 2] = float("nan")
+    k[1, 0, 5] = float("inf")
+    cos_sin = rope_cos_sin(MAX_POS, 8, device=device)
+    got = apply_rope(q, k, positions, cos_sin)
+    expected = reference.apply_rope(q.double(), k.double(), positions, cos_sin.double())
+    for g, e in zip(got, expected):
+        assert torch.equal(torch.isnan(g), torch.isnan(e))
+
+
+def test_no_tokens(device):
+    q, k, positions = _qk((0,), 2, 1, 8, torch.float32, device)
+    out_q, out_k = apply_rope(q, k, positions, rope_cos_sin(MAX_POS, 8, device=device))
+    assert out_q.shape == q.shape and out_k.shape == k.shape
+
+
+def test_bad_inputs_name_the_argument(device):
+    q, k, positions = _qk((3,), 2, 1, 8, torch.float32, device)
+    cos_sin = rope_cos_sin(MAX_POS, 8, device=device)
+    cases = [
+        (dict(q=q.double()), TypeError, "q"),
+        (dict(k=k[..., :4]), ValueError, "k"),
+        (dict(q=q[0]), ValueError, "q"),
+        (dict(positions=positions.float()), TypeError, "positions"),
+        (dict(positions=positions[:2]), ValueError, "positions"),
+        (dict(cos_sin=rope_cos_sin(MAX_POS, 16, device=device)), ValueError, "cos_sin"),
+        (dict(cos_sin=cos_sin[:, :7]), ValueError, "cos_sin"),
+        (dict(layout="neox"), ValueError, "layout"),
+        (dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "head_dim"),  # last stride 2
+    ]
+    for override, error, name in cases:
+        kw = dict(q=q, k=k, positions=positions, cos_sin=cos_sin) | override
+        with pytest.raises(error, match=name):
+            apply_rope(**kw)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        rope_cos_sin(8, 5)
+    with pytest.raises(ValueError, match="scaling"):
+        rope_cos_sin(8, 4, scaling={"rope_type": "yarn", "factor": 2.0})
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    tokens=st.integers(1, 6),
+    q_heads=st.integers(1, 5),
+    k_heads=st.integers(1, 3),
+    half=st.integers(1, 12),
+    extra=st.integers(0, 5),
+    layout=st.sampled_from(LAYOUTS),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shapes_match_reference(tokens, q_heads, k_heads, half, extra, layout, seed):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    q, k, positions = _qk((tokens,), q_heads, k_heads, 2 * half + extra, torch.float32, device, seed=seed)
+    _check_against_reference(q, k, positions, rope_cos_sin(MAX_POS, 2 * half, device=device), layout, torch.float32)
