@@ -14,5 +14,7 @@ from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
 
 # --- rope, cross-entropy (exports) ---
+from fuselab.kernels.cross_entropy import cross_entropy
+from fuselab.kernels.rope import apply_rope, rope_cos_sin
 
-__all__: list[str] = ["add", "bias_act", "layer_norm", "rms_norm", "silu_and_mul", "softmax", "swiglu"]
+__all__: list[str] = ["add", "apply_rope", "bias_act", "cross_entropy", "layer_norm", "rms_norm", "rope_cos_sin", "silu_and_mul", "softmax", "swiglu"]

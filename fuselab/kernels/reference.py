@@ -93,3 +93,27 @@ def cross_entropy(
         _upcast(logits), target.long(), ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
     )
     return loss.to(logits.dtype)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, layout: str = "rotate_half"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding by gathering each token's cos/sin row; dims past the rotary dim pass through."""
+    rotary_dim = cos_sin.shape[-1]
+    half = rotary_dim // 2
+    rows = cos_sin[positions.long()].unsqueeze(-2)  # broadcast over heads
+    cos, sin = rows[..., :half], rows[..., half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = _upcast(x)
+        rotated, passed = xf[..., :rotary_dim], xf[..., rotary_dim:]
+        c, s = cos.to(xf.dtype), sin.to(xf.dtype)
+        if layout == "interleaved":
+            x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+            rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rotated[..., :half], rotated[..., half:]
+            rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((rotated, passed), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
