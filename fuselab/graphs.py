@@ -23,7 +23,8 @@ addresses and fixed shapes. `graphed` hides both:
 - Fallback. A call runs fn eagerly, with one warning per cause, when its batch is above the
   largest bucket, when a tensor is not on CUDA, when autograd would need to record it, or when its
   signature differs from the captured one.
-- fn is captured and replayed without autograd (inference): outputs never carry a grad_fn.
+- fn is captured and replayed without autograd, for inference under torch.no_grad() or
+  torch.inference_mode(): outputs never carry a grad_fn.
 
 Code that cannot be captured (a host sync such as `.item()`, a copy from host memory, an op whose
 output size depends on data) fails at capture with `GraphCaptureError`, which names the likely
@@ -375,7 +376,9 @@ class GraphedCallable:
         batched = {s.key: (args[s.key] if isinstance(s.key, int) else kwargs[s.key]) for s in call.args if s.kind == "batched"}
         device = next(iter(batched.values())).device
         largest = self.buckets[-1]
-        with torch.cuda.device(device), torch.no_grad():
+        # Outside inference mode even when called inside it: inference tensors as static buffers would
+        # refuse the in-place copies of calls made outside it.
+        with torch.cuda.device(device), torch.inference_mode(False), torch.no_grad():
             torch.cuda.synchronize()
             start = time.perf_counter()
             # Keep static tensors and constants alive for the graphs, not the caller's batched inputs.

@@ -156,17 +156,10 @@ def test_fallback_when_the_signature_changed_since_capture(changed, words):
 
 
 def test_fallback_when_arguments_are_passed_differently():
-    captured = describe_call((torch.randn(4, 2),), {}, frozenset())
-    call = describe_call((), {"x": torch.randn(4, 2)}, frozenset())
-    assert "arguments given changed" in _strip_device(call, captured)
-
-
-def _strip_device(call, captured):
-    """The signature difference alone: pretend both calls were on CUDA."""
-    on_cuda = lambda sig: CallSignature(  # noqa: E731
-        sig.batch, tuple(ArgSpec(s.key, s.kind, s.shape, s.stride, s.dtype, CUDA, s.address, s.value) for s in sig.args), False
-    )
-    return fallback_reason(on_cuda(call), on_cuda(captured), 8).detail
+    by_position = CallSignature(4, (ArgSpec(0, "batched", (2,), dtype=torch.float32, device=CUDA),), False)
+    by_keyword = CallSignature(4, (ArgSpec("x", "batched", (2,), dtype=torch.float32, device=CUDA),), False)
+    reason = fallback_reason(by_keyword, by_position, 8)
+    assert reason.cause == "signature" and "arguments given changed" in reason.detail
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +322,9 @@ def test_replay_equals_eager_for_every_bucket_and_every_size_between():
 
 @pytest.mark.gpu
 def test_replay_serves_modules_keywords_and_structured_outputs():
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).cuda().eval()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64, device="cuda"), torch.nn.GELU(), torch.nn.Linear(64, 32, device="cuda")
+    ).eval()
 
     def heads(x, *, shift):
         y = model(x + shift)
@@ -354,6 +349,17 @@ def test_replay_runs_fuselab_triton_kernels():
         x, r = torch.randn(batch, 256, device="cuda"), torch.randn(batch, 256, device="cuda")
         torch.testing.assert_close(g(x, r, weight), rms_norm(x, weight, residual=r))
     assert g.stats.replays == 3
+
+
+@pytest.mark.gpu
+def test_a_capture_inside_inference_mode_serves_calls_outside_it():
+    g = graphed(lambda x: x * 2, max_batch_size=4)
+    with torch.inference_mode():
+        x = torch.randn(3, 2, device="cuda")
+        torch.testing.assert_close(g(x), x * 2)
+    x = torch.randn(2, 2, device="cuda")
+    torch.testing.assert_close(g(x), x * 2)
+    assert g.stats.replays == 2
 
 
 @pytest.mark.gpu
@@ -431,8 +437,8 @@ def test_copy_outputs_returns_tensors_the_next_replay_leaves_alone():
 @pytest.mark.gpu
 def test_twenty_buckets_share_one_pool():
     width, layers = 4096, 16
-    model = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
-    model = model.cuda().eval()
+    layer = lambda: (torch.nn.Linear(width, width, device="cuda"), torch.nn.ReLU())  # noqa: E731
+    model = torch.nn.Sequential(*[m for _ in range(layers) for m in layer()]).eval()
     buckets = default_buckets(136)
     assert len(buckets) == 20
     g = graphed(model, batch_sizes=buckets)

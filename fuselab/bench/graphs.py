@@ -28,7 +28,8 @@ from fuselab.timing import bench
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MODES = ("eager", "graphed", "compiled")
-# Host calls that put work on the GPU: kernels (runtime and driver API, which Triton uses), graphs, copies.
+# Host calls that put work on the GPU, as the profiler names them: kernels (through the runtime, or the
+# driver as Triton does), graph replays, copies and fills.
 _LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset")
 
 
@@ -92,6 +93,13 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _command() -> str:
+    """The command line that ran this benchmark, spelled as the user would type it."""
+    if Path(sys.argv[0]).name in ("fuselab", "__main__.py"):
+        return shlex.join(["fuselab", *sys.argv[1:]])
+    return shlex.join(sys.argv)
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Time every mode at every batch size; the result as one JSON-ready dict."""
     torch.manual_seed(0)
@@ -121,12 +129,14 @@ def measure(args: argparse.Namespace) -> dict:
             row["graphed_speedup"] = row["eager"]["median_us"] / row["graphed"]["median_us"]
             row["compiled_speedup"] = None if compiled is None else row["eager"]["median_us"] / row["compiled"]["median_us"]
             rows.append(row)
+            times = ", ".join(f"{m} {row[m]['median_us']:.1f} us" for m in MODES if row[m] is not None)
+            print(f"batch {batch}: {times}", flush=True)  # progress: compiling can take minutes
     compile_times = [r["compile_s"] for r in rows if r["compile_s"] is not None]
     return {
         "header": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": device_info().to_dict(),
-            "command": shlex.join(["fuselab", *sys.argv[1:]]) if Path(sys.argv[0]).name == "fuselab" else shlex.join(sys.argv),
+            "command": _command(),
         },
         "config": {"layers": args.layers, "width": args.width, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
                    "rep_ms": args.rep_ms, "workload": f"{args.layers} x (Linear({args.width}, {args.width}) + SiLU)"},
@@ -148,13 +158,14 @@ def _table_rows(result: dict) -> list[list[str]]:
         times = [_fmt(r[m] and r[m]["median_us"], ".1f") for m in MODES]
         kernels = "/".join(_fmt(r[m] and r[m]["kernels"], "d") for m in MODES)
         launches = "/".join(_fmt(r[m] and r[m]["launches"], "d") for m in MODES)
-        out.append([str(r["batch"]), *times, _fmt(r["graphed_speedup"], ".1f") + "x", _fmt(r["compiled_speedup"], ".1f") + "x",
-                    kernels, launches, _fmt(r["compile_s"], ".2f")])
+        speedups = [_fmt(r[f"{m}_speedup"], ".1f") for m in ("graphed", "compiled")]
+        out.append([str(r["batch"]), *times, *speedups, kernels, launches, _fmt(r["compile_s"], ".2f")])
     return out
 
 
-COLUMNS = ["batch", "eager us", "graphed us", "compiled us", "graphed speedup", "compiled speedup",
-           "kernels/call e/g/c", "launches/call e/g/c", "compile+record s"]
+# Speedups are over eager; kernels and launches per call are given eager/graphed/compiled.
+COLUMNS = ["batch", "eager us", "graphed us", "compiled us", "graphed x", "compiled x", "kernels e/g/c", "launches e/g/c",
+           "compile s"]
 
 
 def _summary_lines(result: dict) -> list[str]:
@@ -174,7 +185,9 @@ def write_markdown(result: dict, path: Path) -> None:
         f"- date: {h['date']}",
         f"- GPU: {d['name']} (torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}, Python {d['python']})",
         f"- command: `{h['command']}`",
-        f"- workload: {result['config']['workload']}, {result['config']['dtype']}; time per whole Python call (median)",
+        f"- workload: {result['config']['workload']}, {result['config']['dtype']}; time per whole Python call (median); "
+        "speedups over eager; kernels and host launch calls per call as eager/graphed/compiled; compile s: "
+        "torch.compile's first three calls at that size (compilation and graph recording)",
         *[f"- {line}" for line in _summary_lines(result)],
         "",
         "| " + " | ".join(COLUMNS) + " |",
@@ -186,6 +199,7 @@ def write_markdown(result: dict, path: Path) -> None:
 
 def write_plot(result: dict, path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -200,8 +214,11 @@ def write_plot(result: dict, path: Path) -> None:
             speedups.plot(batches, [r[f"{mode}_speedup"] for r in result["rows"]], marker="o", label=mode)
     times.set(xscale="log", yscale="log", xlabel="batch size", ylabel="us per call", title=result["config"]["workload"])
     speedups.set(xscale="log", xlabel="batch size", ylabel="speedup over eager", title=result["header"]["device"]["name"])
+    speedups.axhline(1.0, color="gray", linestyle="--", linewidth=1)  # eager
+    speedups.set_ylim(bottom=0)
     for ax in (times, speedups):
         ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -219,6 +236,7 @@ def print_table(result: dict) -> None:
     for row in _table_rows(result):
         table.add_row(*row)
     console = Console()
+    console.width = max(console.width, 130)  # a pipe reports 80 columns, which would cut the table's cells
     console.print(table)
     for line in _summary_lines(result):
         console.print(line)
