@@ -18,8 +18,9 @@ addresses and fixed shapes. `graphed` hides both:
   the blocks a larger one freed). That call's argument signature (shapes other than dim 0,
   dtypes, devices, static addresses, constants) is the one the graphs serve. `.stats` then holds
   the capture time and the memory the graphs hold.
-- Outputs are views into the graphs' static buffers: the next call (any batch size) overwrites
-  them. Clone what you keep, or pass `copy_outputs=True` to get fresh tensors each call.
+- Outputs are views into the graphs' static buffers: the next call in the same bucket overwrites
+  them, and a call in another bucket may (the buckets share one pool). Clone what you keep, or
+  pass `copy_outputs=True` to get fresh tensors each call.
 - Fallback. A call runs fn eagerly, with one warning per cause, when its batch is above the
   largest bucket, when a tensor is not on CUDA, when autograd would need to record it, or when its
   signature differs from the captured one.
@@ -222,11 +223,10 @@ def fallback_reason(call: CallSignature, captured: CallSignature | None, largest
 # --------------------------------------------------------------------------------------------
 
 _HOST_SYNC_MARKS = (
-    "operation not permitted when stream is capturing",
-    "previous error during capture",
+    "when stream is capturing",  # CUDA's "operation not permitted when stream is capturing"
+    "previous error during capture",  # what capture_end says afterwards
     "capture invalidated",
     "cudaerrorstreamcapture",
-    "when stream is capturing",
 )
 
 
@@ -280,6 +280,11 @@ class GraphStats:
     replays: int = 0
     eager_calls: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)  # eager calls by cause
+
+    @property
+    def held_bytes(self) -> int:
+        """GPU memory the graphs keep from other work: the pool and the input buffers."""
+        return self.pool_reserved_bytes + self.input_buffer_bytes
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], out: Any, path: str = "output") -> Any:

@@ -286,6 +286,43 @@ def test_bench_graphs_rejects_bad_batch_sizes():
         parser.parse_args(["--batch-sizes", "1,0"])
 
 
+def _bench_result(with_compile: bool) -> dict:
+    """A result shaped as fuselab.bench.graphs.measure() returns it, with made-up numbers."""
+    from fuselab.device import device_info
+
+    rows = []
+    for batch in (1, 2, 4):
+        mode = lambda us, launches: {"median_us": us, "kernels": 128, "launches": launches}  # noqa: E731
+        rows.append({
+            "batch": batch, "compile_s": 3.0 if with_compile else None, "graphed_max_diff": 0.0,
+            "compiled_max_diff": 0.01 if with_compile else None,
+            "eager": mode(700.0, 128), "graphed": mode(120.0 + batch, 2), "compiled": mode(140.0, 1) if with_compile else None,
+            "graphed_speedup": 700.0 / (120.0 + batch), "compiled_speedup": 5.0 if with_compile else None,
+        })
+    return {
+        "header": {"date": "2026-01-01T00:00:00+00:00", "device": device_info().to_dict(), "command": "fuselab bench graphs"},
+        "config": {"layers": 64, "width": 128, "dtype": "bfloat16", "batch_sizes": [1, 2, 4], "rep_ms": 200.0,
+                   "workload": "64 x (Linear(128, 128) + SiLU)"},
+        "graphed": {"buckets": [1, 2, 4], "capture_s": 0.5, "held_bytes": 2**21, "eager_calls": 0},
+        "compiled": {"sizes_recorded": 3, "compile_s": 9.0} if with_compile else None,
+        "rows": rows,
+    }
+
+
+@pytest.mark.parametrize("with_compile", [True, False])
+def test_bench_graphs_reports_a_result(tmp_path, capsys, with_compile):
+    from fuselab.bench import graphs as bench_graphs
+
+    result = _bench_result(with_compile)
+    bench_graphs.print_table(result)
+    bench_graphs.write_markdown(result, tmp_path / "graphs.md")
+    bench_graphs.write_plot(result, tmp_path / "graphs.png")
+    printed, markdown = capsys.readouterr().out, (tmp_path / "graphs.md").read_text()
+    assert "121.0" in printed and "| 1 | 700.0 | 121.0 |" in markdown and "fuselab bench graphs" in markdown
+    assert ("compile + record for 3 sizes" in markdown) == with_compile
+    assert (tmp_path / "graphs.png").stat().st_size > 0
+
+
 # --------------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------------
@@ -448,5 +485,4 @@ def test_twenty_buckets_share_one_pool():
     # Every layer's output at the largest bucket. Twenty private pools would hold at least a 20 MiB
     # segment per bucket of >= 1 MiB activations (ten here): about 220 MiB, twice this bound.
     largest_activations = layers * buckets[-1] * width * 4
-    held = g.stats.pool_reserved_bytes + g.stats.input_buffer_bytes
-    assert 0 < held <= 3 * largest_activations, (held, largest_activations)
+    assert 0 < g.stats.held_bytes <= 3 * largest_activations, (g.stats, largest_activations)

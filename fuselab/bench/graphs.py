@@ -141,8 +141,7 @@ def measure(args: argparse.Namespace) -> dict:
         "config": {"layers": args.layers, "width": args.width, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
                    "rep_ms": args.rep_ms, "workload": f"{args.layers} x (Linear({args.width}, {args.width}) + SiLU)"},
         "graphed": {"buckets": list(fast.stats.buckets), "capture_s": fast.stats.capture_s,
-                    "pool_reserved_bytes": fast.stats.pool_reserved_bytes, "input_buffer_bytes": fast.stats.input_buffer_bytes,
-                    "eager_calls": fast.stats.eager_calls},
+                    "held_bytes": fast.stats.held_bytes, "eager_calls": fast.stats.eager_calls},
         "compiled": None if compiled is None else {"sizes_recorded": len(compile_times), "compile_s": sum(compile_times)},
         "rows": rows,
     }
@@ -171,7 +170,7 @@ COLUMNS = ["batch", "eager us", "graphed us", "compiled us", "graphed x", "compi
 def _summary_lines(result: dict) -> list[str]:
     g, c = result["graphed"], result["compiled"]
     lines = [f"graphed: {len(g['buckets'])} buckets {g['buckets']} captured in {g['capture_s']:.2f} s, "
-             f"pool {g['pool_reserved_bytes'] / 2**20:.1f} MiB + inputs {g['input_buffer_bytes'] / 2**20:.2f} MiB"]
+             f"holding {g['held_bytes'] / 2**20:.1f} MiB of GPU memory"]
     if c is not None:
         lines.append(f"torch.compile(mode='reduce-overhead'): compile + record for {c['sizes_recorded']} sizes in {c['compile_s']:.2f} s")
     return lines
