@@ -482,7 +482,9 @@ def test_twenty_buckets_share_one_pool():
     with torch.no_grad():
         x = torch.randn(100, width, device="cuda")
         torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-4)
-    # Every layer's output at the largest bucket. Twenty private pools would hold at least a 20 MiB
-    # segment per bucket of >= 1 MiB activations (ten here): about 220 MiB, twice this bound.
+    # Every layer's output at the largest bucket: 34 MiB. One shared pool holds each bucket's output
+    # (19 MiB in all) and the largest bucket's transients: about 60 MiB in 2 and 20 MiB segments.
+    # Twenty private pools would hold a 20 MiB segment for each bucket whose activations reach 1 MiB
+    # (ten here) and a 2 MiB one for each other: at least 220 MiB, above the bound of 136 MiB.
     largest_activations = layers * buckets[-1] * width * 4
-    assert 0 < g.stats.held_bytes <= 3 * largest_activations, (g.stats, largest_activations)
+    assert 0 < g.stats.held_bytes <= 4 * largest_activations, (g.stats, largest_activations)
