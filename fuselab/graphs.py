@@ -44,6 +44,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from fuselab.device import recover_from_failed_capture
+
 DEFAULT_MAX_BATCH_SIZE = 64
 
 # Eager calls per bucket before capture: the first triggers lazy initialization (cuBLAS handles
@@ -417,6 +419,7 @@ class GraphedCallable:
                 except Exception as err:
                     # A failed capture_end leaves torch.cuda.graph's side stream current: restore the caller's.
                     torch.cuda.set_stream(caller_stream)
+                    recover_from_failed_capture()
                     self._inputs, self._capture_args, self._capture_kwargs = {}, (), {}
                     raise GraphCaptureError(explain_capture_error(err, self._name, bucket)) from err
                 _map_tensors(functools.partial(self._check_output_rows, bucket), out)
