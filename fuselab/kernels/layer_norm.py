@@ -41,7 +41,8 @@ def _affine_activate(x_hat, W, B, cols, mask, HAS_BIAS: tl.constexpr, ACTIVATION
 @triton.jit
 def _layer_norm_forward_kernel(
     X, R, W, B, Y, H, MEAN, RSTD, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_STATS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -51,8 +52,9 @@ def _layer_norm_forward_kernel(
     mean = tl.sum(x, axis=0) / n_cols
     centred = tl.where(mask, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    if STORE_STATS:
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
     y = _affine_activate(centred * rstd, W, B, cols, mask, HAS_BIAS, ACTIVATION)
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
@@ -60,7 +62,8 @@ def _layer_norm_forward_kernel(
 @triton.jit
 def _layer_norm_forward_looped_kernel(
     X, R, W, B, Y, H, MEAN, RSTD, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_STATS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
@@ -79,8 +82,9 @@ def _layer_norm_forward_looped_kernel(
         mean += delta * (count / total)
         m2 += tl.sum(centred * centred, axis=0) + delta * delta * (seen * count / total)
     rstd = tl.rsqrt(m2 / n_cols + eps)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    if STORE_STATS:
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -196,14 +200,18 @@ def layer_norm_forward(
     eps: float,
     residual: torch.Tensor | None,
     activation: str,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(y, h or None, mean, rstd) for contiguous inputs; `activation` is a name or "none"."""
+    save_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(y, h or None, mean, rstd) for contiguous inputs; `activation` is a name or "none". The row
+    statistics serve the backward only: without `save_stats` they are neither allocated nor stored."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    mean = rstd = None
+    if save_stats:
+        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y, h, mean, rstd
     config = row_config(n_cols, MAX_FUSED_BLOCK)
@@ -211,8 +219,8 @@ def layer_norm_forward(
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
     kernel[(n_rows,)](
         x, x if residual is None else residual, weight, x if bias is None else bias, y, x if h is None else h,
-        mean, rstd, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=activation,
+        y if mean is None else mean, y if rstd is None else rstd, n_cols, eps,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=activation, STORE_STATS=save_stats,
         BLOCK=config.block, num_warps=config.num_warps,
     )
     return y, h, mean, rstd
@@ -258,7 +266,7 @@ def layer_norm_backward(
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, activation):
-        y, h, mean, rstd = layer_norm_forward(x, weight, bias, eps, residual, activation)
+        y, h, mean, rstd = layer_norm_forward(x, weight, bias, eps, residual, activation, save_stats=True)
         ctx.has_residual = residual is not None
         ctx.activation = activation
         ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd)
@@ -311,5 +319,5 @@ def layer_norm(
     activation = activation or "none"
     if needs_autograd(x, weight, bias, residual):
         return LayerNormFunction.apply(x, weight, bias, residual, eps, activation)
-    y, h, _, _ = layer_norm_forward(x, weight, bias, eps, residual, activation)
+    y, h, _, _ = layer_norm_forward(x, weight, bias, eps, residual, activation, save_stats=False)
     return y if h is None else (y, h)

@@ -29,20 +29,25 @@ from fuselab.kernels._validate import (
 
 
 @triton.jit
-def _rms_norm_forward_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_forward_kernel(
+    X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
     x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
+    if STORE_RSTD:
+        tl.store(RSTD + row, rstd)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rms_norm_forward_looped_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_forward_looped_kernel(
+    X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr
+):
     """For rows longer than one block: a pass for the mean square, a second to normalize."""
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
@@ -53,7 +58,8 @@ def _rms_norm_forward_looped_kernel(X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDU
         x = load_input_row(X, R, H, base + cols, mask, HAS_RESIDUAL, True)
         sum_sq += x * x
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
+    if STORE_RSTD:
+        tl.store(RSTD + row, rstd)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -135,22 +141,24 @@ def _rms_norm_backward_looped_kernel(
 
 
 def rms_norm_forward(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(y, h or None, rstd per row in fp32) for contiguous inputs."""
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, save_rstd: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(y, h or None, rstd per row in fp32 or None) for contiguous inputs; rstd is kept for the
+    backward only, so inference skips its allocation and store."""
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if save_rstd else None
     if y.numel() == 0:
         return y, h, rstd
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
     kernel[(n_rows,)](
-        x, x if residual is None else residual, weight, y, x if h is None else h, rstd, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=config.block, num_warps=config.num_warps,
+        x, x if residual is None else residual, weight, y, x if h is None else h, y if rstd is None else rstd,
+        n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_RSTD=save_rstd,
+        BLOCK=config.block, num_warps=config.num_warps,
     )
     return y, h, rstd
 
@@ -184,7 +192,7 @@ def rms_norm_backward(
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, eps):
-        y, h, rstd = rms_norm_forward(x, weight, eps, residual)
+        y, h, rstd = rms_norm_forward(x, weight, eps, residual, save_rstd=True)
         ctx.has_residual = residual is not None
         ctx.save_for_backward(x if h is None else h, weight, rstd)
         # An unused h gets no gradient tensor, rather than a zero-filled one the kernel would add.
@@ -224,5 +232,5 @@ def rms_norm(
         residual = contiguous(residual)
     if needs_autograd(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps)
-    y, h, _ = rms_norm_forward(x, weight, eps, residual)
+    y, h, _ = rms_norm_forward(x, weight, eps, residual, save_rstd=False)
     return y if h is None else (y, h)
