@@ -133,7 +133,8 @@ def _build_layer_norm(rows, cols, dtype, device) -> Workload:
 
 def _build_swiglu(rows, cols, dtype, device) -> Workload:
     n = rows * cols * dtype.itemsize
-    return Workload(f"{rows}×{cols}", (_randn(rows, cols, dtype, device), _randn(rows, cols, dtype, device)), (0, 1), 3 * n, 5 * n)
+    args = (_randn(rows, cols, dtype, device), _randn(rows, cols, dtype, device))
+    return Workload(f"{rows}×{cols}", args, (0, 1), 3 * n, 5 * n)
 
 
 def _build_silu_and_mul(rows, cols, dtype, device) -> Workload:

@@ -67,7 +67,9 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> to
     return y
 
 
-def bias_act_backward(dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def bias_act_backward(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias); dbias sums dx over rows in fp32."""
     dx = torch.empty_like(x)
     if x.numel() == 0:
