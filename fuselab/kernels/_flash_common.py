@@ -1,0 +1,119 @@
+"""What the FlashAttention forward and backward share: tile loads, launch configs, and how a
+sequence's rows are addressed in the padded [batch, heads, seq, head_dim] and packed
+[tokens, heads, head_dim] layouts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.device import triton_interpreted
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, d_ok, CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr):
+    """A 2-D tile, zero where a row is past the sequence (if CHECK_ROWS) or a column past the head
+    dim (if PAD_D). The masks are broadcastable to the tile; unneeded ones are never evaluated, so
+    interior blocks load without predicates."""
+    if CHECK_ROWS:
+        if PAD_D:
+            tile = tl.load(ptrs, mask=row_ok & d_ok, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=row_ok, other=0.0)
+    else:
+        if PAD_D:
+            tile = tl.load(ptrs, mask=d_ok, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts
+# --------------------------------------------------------------------------------------------
+
+
+def row_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides: row i of sequence b, head h sits at b·sb + h·sh + (first_row(b) + i)·ss.
+
+    Packed tensors have no batch dim: a sequence starts at its cu_seqlens row, so the batch stride is 0.
+    """
+    if varlen:
+        return 0, t.stride(1), t.stride(0)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def new_row_stats(q: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, tuple[int, int]]:
+    """An fp32 per-(row, head) buffer (log-sum-exp, delta) and its (batch, head) strides; rows are unit-stride."""
+    if varlen:
+        total, heads = q.shape[0], q.shape[1]
+        return torch.empty(heads, total, device=q.device, dtype=torch.float32), (0, total)
+    batch, heads, seq = q.shape[:3]
+    return torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32), (heads * seq, seq)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs exist for testing: keep them exact instead of rounding to tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --------------------------------------------------------------------------------------------
+# Launch configs
+# --------------------------------------------------------------------------------------------
+
+
+class ForwardConfig(NamedTuple):
+    block_m: int  # query rows per program
+    block_n: int  # keys per loop step; block_m must be a multiple of it (causal diagonal)
+    num_warps: int
+    num_stages: int
+
+
+class BackwardConfig(NamedTuple):
+    block_m1: int  # dk/dv pass: query rows per loop step
+    block_n1: int  # dk/dv pass: keys per program; a multiple of block_m1
+    block_m2: int  # dq pass: query rows per program; a multiple of block_n2
+    block_n2: int  # dq pass: keys per loop step
+    num_warps: int
+    num_stages: int
+
+
+# Hopper (sm_90), keyed by the head dim rounded up to a power of two. Shared memory bounds them:
+# at d=128 a 128-row q tile plus three stages of 64-key K and V tiles is 128 KiB of 227.
+FORWARD_CONFIGS: dict[int, ForwardConfig] = {
+    16: ForwardConfig(128, 64, 4, 3),
+    32: ForwardConfig(128, 64, 4, 3),
+    64: ForwardConfig(128, 128, 8, 3),
+    128: ForwardConfig(128, 64, 8, 3),
+    256: ForwardConfig(64, 64, 8, 2),
+}
+BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
+    16: BackwardConfig(32, 64, 64, 32, 4, 3),
+    32: BackwardConfig(32, 64, 64, 32, 4, 3),
+    64: BackwardConfig(32, 128, 128, 32, 4, 4),
+    128: BackwardConfig(32, 128, 128, 32, 8, 3),
+    256: BackwardConfig(16, 64, 64, 16, 8, 2),
+}
+
+# The interpreter runs programs one after another on the CPU: small blocks keep tests at small
+# sizes crossing several blocks (and the causal diagonal spanning two key blocks).
+INTERPRETER_FORWARD = ForwardConfig(32, 16, 1, 1)
+INTERPRETER_BACKWARD = BackwardConfig(16, 32, 32, 16, 1, 1)
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return triton.next_power_of_2(head_dim)
+
+
+def forward_config(head_dim: int) -> ForwardConfig:
+    return INTERPRETER_FORWARD if triton_interpreted() else FORWARD_CONFIGS[padded_head_dim(head_dim)]
+
+
+def backward_config(head_dim: int) -> BackwardConfig:
+    return INTERPRETER_BACKWARD if triton_interpreted() else BACKWARD_CONFIGS[padded_head_dim(head_dim)]

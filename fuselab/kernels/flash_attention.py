@@ -1,0 +1,309 @@
+"""FlashAttention for prefill and training: softmax(q·kᵀ·scale)·v without the S×S matrix in memory.
+
+Each program owns a block of query rows and streams the keys and values of its (batch, head) in
+blocks, keeping a running row maximum and row sum (the online softmax, in the exp2 domain with
+log2(e) folded into the scale) and an fp32 accumulator. Causal attention skips every key block
+right of the diagonal and masks only the blocks on it. The row log-sum-exp is kept for the
+backward pass, which recomputes the probabilities block by block instead of storing them.
+
+Grouped-query attention reads the key/value head of each query head in place (head h uses
+kv head h // (heads / kv_heads)); nothing is repeated in memory. The same kernels serve packed
+variable-length batches (`flash_attention_varlen`): `cu_seqlens` gives each sequence's first row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._flash_backward import flash_backward
+from fuselab.kernels._flash_common import (
+    SUPPORTED_HEAD_DIMS,
+    dot_precision,
+    forward_config,
+    load_tile,
+    new_row_stats,
+    padded_head_dim,
+    row_strides,
+)
+from fuselab.kernels._validate import check_float_tensor, needs_autograd
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+# Stages of the key loop: what each key block needs masked.
+_FULL = tl.constexpr(0)  # every key is visible to every query row: no mask
+_DIAGONAL = tl.constexpr(1)  # causal blocks on the diagonal: key <= query and key < seq_k
+_TAIL = tl.constexpr(2)  # the last, partial key block of non-causal attention: key < seq_k
+
+
+@triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi, seq_k, qk_scale,
+    STAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Folds key blocks [lo, hi) into the running (acc, row sum l_i, row max m_i) of one query block."""
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    CHECK_KEYS: tl.constexpr = STAGE != _FULL
+    offs_n = tl.arange(0, BLOCK_N)
+    # K is read transposed, [head_dim, keys], so q·kᵀ is a plain dot.
+    kT_ptrs = K_base + offs_n[None, :] * stride_ks + offs_d[:, None]
+    v_ptrs = V_base + offs_n[:, None] * stride_vs + offs_d[None, :]
+    d_row = (offs_d < HEAD_DIM)[:, None]
+    d_col = (offs_d < HEAD_DIM)[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        keys = start_n + offs_n
+        key_ok = keys < seq_k
+        kT = load_tile(kT_ptrs + start_n * stride_ks, key_ok[None, :], d_row, CHECK_KEYS, PAD_D)
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
+        if STAGE == _DIAGONAL:
+            qk = tl.where((offs_m[:, None] >= keys[None, :]) & key_ok[None, :], qk, float("-inf"))
+        elif STAGE == _TAIL:
+            qk = tl.where(key_ok[None, :], qk, float("-inf"))
+        # Every row sees at least one key in the first block it processes, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_tile(v_ptrs + start_n * stride_vs, key_ok[:, None], d_col, CHECK_KEYS, PAD_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_forward_kernel(
+    Q, K, V, O, LSE, CU_SEQLENS,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    num_heads, group_size, seq_q, seq_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Grid: (query blocks, batch · heads). Causal programs differ in cost by their row, so the
+    # costliest (last) query blocks are launched first and the cheap ones fill the tail.
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    kv_head = head // group_size
+    if VARLEN:
+        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
+        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
+        seq_k = seq_q
+    else:
+        first_row = batch.to(tl.int64) * 0
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_q:
+        return
+    batch = batch.to(tl.int64)
+    Q_base = Q + batch * stride_qb + head.to(tl.int64) * stride_qh + first_row * stride_qs
+    K_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh + first_row * stride_ks
+    V_base = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh + first_row * stride_vs
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seq_q
+    q = load_tile(Q_base + offs_m[:, None] * stride_qs + offs_d[None, :], row_ok[:, None],
+                  (offs_d < HEAD_DIM)[None, :], True, BLOCK_D != HEAD_DIM)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        # Keys left of this block's first row: all visible. Then the diagonal block, masked.
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
+                                     0, start_m, seq_k, qk_scale,
+                                     _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
+                                     start_m, tl.minimum(start_m + BLOCK_M, seq_k), seq_k, qk_scale,
+                                     _DIAGONAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+    else:
+        full_end = seq_k - seq_k % BLOCK_N
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
+                                     0, full_end, seq_k, qk_scale,
+                                     _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
+                                     full_end, seq_k, seq_k, qk_scale,
+                                     _TAIL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
+
+    # The log-sum-exp in log2 units of the scaled scores: the backward recomputes p = exp2(s - lse).
+    tl.store(LSE + batch * stride_lb + head.to(tl.int64) * stride_lh + first_row + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
+    out = acc / l_i[:, None]
+    O_base = O + batch * stride_ob + head.to(tl.int64) * stride_oh + first_row * stride_os
+    o_ptrs = O_base + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Host launcher
+# --------------------------------------------------------------------------------------------
+
+LOG2E = math.log2(math.e)
+
+
+def flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for validated inputs; lse is in log2 units of the scaled scores.
+
+    Padded inputs are [batch, heads, seq, head_dim]; with `cu_seqlens`, packed [tokens, heads, head_dim].
+    """
+    varlen = cu_seqlens is not None
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse, (stride_lb, stride_lh) = new_row_stats(q, varlen)
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
+    if varlen:
+        batch, seq_q, seq_k = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
+    else:
+        batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
+    cfg = forward_config(head_dim)
+    grid = (triton.cdiv(seq_q, cfg.block_m), batch * heads)
+    _flash_forward_kernel[grid](
+        q, k, v, out, lse, cu_seqlens if varlen else lse,
+        *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(out, varlen),
+        stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, causal, scale):
+        out, lse = flash_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def _unit_stride_last(t: torch.Tensor) -> torch.Tensor:
+    # The kernels take any batch/head/row strides (a [b, s, h, d] tensor viewed as [b, h, s, d]
+    # is read in place) but need each head's vector contiguous.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_qkv(q: object, k: object, v: object, ndim: int, layout: str) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(name, t)
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has dtype {q.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has shape {tuple(k.shape)}")
+    head_dim = q.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q has head dim {head_dim}; supported head dims are {SUPPORTED_HEAD_DIMS}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k has head dim {k.shape[-1]} but q has head dim {head_dim}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q's {heads} heads must be a whole multiple of k's {kv_heads} heads (grouped-query attention)")
+    if q.shape[0] != k.shape[0]:
+        dim = "tokens" if ndim == 3 else "batch"
+        raise ValueError(f"k has {k.shape[0]} {dim} but q has {q.shape[0]}")
+
+
+def _resolve_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
+def _run(q, k, v, cu_seqlens, max_seqlen, causal, scale) -> torch.Tensor:
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    if needs_autograd(q, k, v):
+        return FlashAttentionFunction.apply(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+    return flash_forward(q, k, v, cu_seqlens, max_seqlen, causal, scale)[0]
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale [+ causal mask])·v for q [batch, heads, seq_q, head_dim] and k, v
+    [batch, kv_heads, seq_k, head_dim], the layout of `F.scaled_dot_product_attention`.
+
+    kv_heads may divide heads (grouped-query attention). The causal mask is aligned top-left, as
+    SDPA's `is_causal`, and needs seq_q == seq_k. scale defaults to 1/sqrt(head_dim). Differentiable.
+    """
+    _check_qkv(q, k, v, 4, "[batch, heads, seq, head_dim]")
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    if causal and seq_q != seq_k:
+        raise ValueError(f"causal attention needs as many keys as queries: k has seq {seq_k}, q has seq {seq_q}")
+    if seq_k == 0 and seq_q > 0:
+        raise ValueError("k has no keys: attention over an empty sequence is undefined")
+    scale = _resolve_scale(scale, q.shape[-1])
+    if q.numel() == 0:
+        return torch.empty_like(q)
+    return _run(q, k, v, None, seq_q, bool(causal), scale)
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each of several sequences packed along the first dim: q [tokens, heads,
+    head_dim], k, v [tokens, kv_heads, head_dim].
+
+    Sequence i holds rows cu_seqlens[i] to cu_seqlens[i+1] (int32, starting at 0, on q's device);
+    max_seqlen must be at least the longest sequence. It is a host int so that nothing here waits
+    for the device. Differentiable.
+    """
+    _check_qkv(q, k, v, 3, "[tokens, heads, head_dim]")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with batch + 1 offsets, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    scale = _resolve_scale(scale, q.shape[-1])
+    if q.numel() == 0 or max_seqlen == 0 or cu_seqlens.numel() == 1:
+        return torch.zeros_like(q)
+    return _run(q, k, v, cu_seqlens.contiguous(), max_seqlen, bool(causal), scale)
