@@ -96,6 +96,13 @@ def swiglu_backward(
     )
 
 
+def silu_and_mul_forward(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], half)
+    # The kernel reads the up half in place: same rows, `half` elements further along.
+    return swiglu_forward(x, x, out, x.shape[-1], up_offset=half)
+
+
 # --------------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------------
@@ -119,7 +126,7 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return _silu_and_mul_forward(x)
+        return silu_and_mul_forward(x)
 
     @staticmethod
     def backward(ctx, dy):
@@ -128,13 +135,6 @@ class SiluAndMulFunction(torch.autograd.Function):
         dx = torch.empty_like(x)
         swiglu_backward(contiguous(dy), x, x, dx, dx, x.shape[-1], up_offset=half)
         return dx
-
-
-def _silu_and_mul_forward(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    out = x.new_empty(*x.shape[:-1], half)
-    # The kernel reads the up half in place: same rows, `half` elements further along.
-    return swiglu_forward(x, x, out, x.shape[-1], up_offset=half)
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,4 +162,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = contiguous(x)
     if needs_autograd(x):
         return SiluAndMulFunction.apply(x)
-    return _silu_and_mul_forward(x)
+    return silu_and_mul_forward(x)
