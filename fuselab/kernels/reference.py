@@ -117,3 +117,83 @@ def apply_rope(
         return torch.cat((rotated, passed), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+# --- attention ---
+
+
+def _expand_kv_heads(kv: torch.Tensor, heads: int, heads_axis: int) -> torch.Tensor:
+    """Repeat each key/value head for the query heads that share it (grouped-query attention)."""
+    return kv.repeat_interleave(heads // kv.shape[heads_axis], dim=heads_axis)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q·kᵀ·scale)·v in q's dtype (float64 gives the exact answer); q [batch, heads, seq_q, d],
+    k, v [batch, kv_heads, seq_k, d]; the causal mask is aligned top-left, as SDPA's is_causal."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qf, kf, vf = _upcast(q), _upcast(k), _upcast(v)
+    kf, vf = _expand_kv_heads(kf, q.shape[1], 1), _expand_kv_heads(vf, q.shape[1], 1)
+    scores = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vf).to(q.dtype)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention within each packed sequence: q [tokens, heads, d], k, v [tokens, kv_heads, d];
+    sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]."""
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            per_seq = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, seq, d]
+            out[start:end] = attention(*per_seq, causal=causal, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write token t's k/v [tokens, kv_heads, d] into cache slot slot_mapping[t] (block · block_size +
+    offset) of the [num_blocks, block_size, kv_heads, d] caches; slot -1 is padding and skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence from a paged cache: [seq_len, kv_heads, d]."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence, q [batch, heads, d], over its paged context of seq_lens[i]
+    tokens; a sequence with no context gets zeros."""
+    out = torch.zeros_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len > 0:
+            k = gather_kv(k_cache, block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, seq, d]
+            v = gather_kv(v_cache, block_tables[i], seq_len).transpose(0, 1).unsqueeze(0)
+            out[i] = attention(q[i][None, :, None].to(k.dtype), k, v, causal=False, scale=scale)[0, :, 0].to(q.dtype)
+    return out
