@@ -17,4 +17,7 @@ from fuselab.kernels.swiglu import silu_and_mul, swiglu
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.rope import apply_rope, rope_cos_sin
 
-__all__: list[str] = ["add", "apply_rope", "bias_act", "cross_entropy", "layer_norm", "rms_norm", "rope_cos_sin", "silu_and_mul", "softmax", "swiglu"]
+# --- attention (exports) ---
+from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
+
+__all__: list[str] = ["add", "apply_rope", "bias_act", "cross_entropy", "flash_attention", "flash_attention_varlen", "layer_norm", "rms_norm", "rope_cos_sin", "silu_and_mul", "softmax", "swiglu"]

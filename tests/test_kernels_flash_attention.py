@@ -1,0 +1,251 @@
+import pytest
+import torch
+from kernel_checks import assert_close, leaf
+
+from fuselab.kernels import flash_attention, flash_attention_varlen, reference
+
+# On the CPU the interpreter runs 32-row query blocks against 16-key blocks, so these lengths cross
+# block edges, the causal diagonal spanning two key blocks, and a partial last block.
+SEQ_LENS = (1, 7, 129)
+
+# Triton's interpreter multiplies bfloat16 tl.dot operands as their raw 16-bit patterns, so bf16
+# runs on the GPU only; fp16 takes the same kernel path on the CPU.
+HALF_DTYPES = (torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu))
+
+
+def _randn(shape, dtype, device, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+def _qkv(batch, heads, kv_heads, seq, head_dim, dtype, device, seq_k=None):
+    seq_k = seq if seq_k is None else seq_k
+    return (
+        _randn((batch, heads, seq, head_dim), dtype, device, 0),
+        _randn((batch, kv_heads, seq_k, head_dim), dtype, device, 1),
+        _randn((batch, kv_heads, seq_k, head_dim), dtype, device, 2),
+    )
+
+
+def _check_backward(fn, ref_fn, inputs, dout, dtype, scale=1.0):
+    """Gradients of fn(*inputs) against autograd of ref_fn on float64 copies."""
+    ours = [t.clone().requires_grad_(True) for t in inputs]
+    fn(*ours).backward(dout)
+    theirs = [leaf(t) for t in inputs]
+    ref_fn(*theirs).backward(dout.double())
+    for name, a, b in zip("qkv", ours, theirs):
+        assert a.grad.shape == b.grad.shape, name
+        assert_close(a.grad, b.grad, dtype, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# forward
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq", SEQ_LENS)
+def test_forward_matches_reference(device, causal, seq):
+    q, k, v = _qkv(2, 2, 2, seq, 16, torch.float32, device)
+    out = flash_attention(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, reference.attention(q.double(), k.double(), v.double(), causal=causal), torch.float32)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_grouped_query_heads_read_their_shared_kv_head(device, group):
+    q, k, v = _qkv(1, 8, 8 // group, 40, 32, torch.float32, device)
+    expected = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    assert_close(flash_attention(q, k, v), expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_forward(device, dtype):
+    q, k, v = _qkv(1, 4, 2, 50, 32, dtype, device)
+    out = flash_attention(q, k, v, causal=True)
+    assert out.dtype == dtype
+    assert_close(out, reference.attention(q.double(), k.double(), v.double(), causal=True), dtype)
+
+
+def test_padded_head_dim_and_custom_scale(device):
+    # 80 is not a power of two: the kernels pad the head to 128 and mask the extra columns.
+    q, k, v = _qkv(1, 2, 1, 20, 80, torch.float32, device)
+    out = flash_attention(q, k, v, causal=False, scale=0.3)
+    assert_close(out, reference.attention(q.double(), k.double(), v.double(), causal=False, scale=0.3), torch.float32)
+
+
+def test_cross_attention_with_more_keys_than_queries(device):
+    q, k, v = _qkv(1, 2, 2, 5, 16, torch.float32, device, seq_k=37)
+    expected = reference.attention(q.double(), k.double(), v.double(), causal=False)
+    assert_close(flash_attention(q, k, v, causal=False), expected, torch.float32)
+
+
+def test_strided_inputs_in_sequence_major_layout(device):
+    # [batch, seq, heads, d] viewed as [batch, heads, seq, d]: read in place, no copy.
+    q, k, v = (_randn((2, 19, 4, 16), torch.float32, device, s).transpose(1, 2) for s in range(3))
+    expected = reference.attention(q.double(), k.double(), v.double(), causal=True)
+    assert_close(flash_attention(q, k, v), expected, torch.float32)
+
+
+def test_causal_row_ignores_later_keys(device):
+    # Changing the last key must leave every earlier query row untouched.
+    q, k, v = _qkv(1, 1, 1, 33, 16, torch.float32, device)
+    before = flash_attention(q, k, v)
+    k[:, :, -1] += 10.0
+    v[:, :, -1] -= 10.0
+    after = flash_attention(q, k, v)
+    torch.testing.assert_close(after[:, :, :-1], before[:, :, :-1], rtol=0, atol=0)
+    assert not torch.allclose(after[:, :, -1], before[:, :, -1])
+
+
+# --------------------------------------------------------------------------------------------
+# backward
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq", SEQ_LENS)
+def test_backward_matches_autograd_of_reference(device, causal, seq):
+    inputs = _qkv(1, 2, 2, seq, 16, torch.float32, device)
+    dout = _randn(inputs[0].shape, torch.float32, device, 3)
+    _check_backward(lambda q, k, v: flash_attention(q, k, v, causal=causal),
+                    lambda q, k, v: reference.attention(q, k, v, causal=causal), inputs, dout, torch.float32)
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_grouped_query_backward_sums_the_group_into_dk_dv(device, group):
+    inputs = _qkv(1, 8, 8 // group, 45, 16, torch.float32, device)
+    dout = _randn(inputs[0].shape, torch.float32, device, 3)
+    _check_backward(flash_attention, reference.attention, inputs, dout, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_precision_backward(device, dtype):
+    inputs = _qkv(1, 4, 2, 40, 32, dtype, device)
+    dout = _randn(inputs[0].shape, dtype, device, 3)
+    # Each gradient sums half-precision products over the sequence: allow a few roundings.
+    _check_backward(flash_attention, reference.attention, inputs, dout, dtype, scale=4.0)
+
+
+# --------------------------------------------------------------------------------------------
+# variable length
+# --------------------------------------------------------------------------------------------
+
+
+def _packed(lengths, heads, kv_heads, head_dim, device):
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    total = int(sum(lengths))
+    q = _randn((total, heads, head_dim), torch.float32, device, 0)
+    k = _randn((total, kv_heads, head_dim), torch.float32, device, 1)
+    v = _randn((total, kv_heads, head_dim), torch.float32, device, 2)
+    return q, k, v, cu_seqlens
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_matches_reference_per_sequence(device, causal):
+    lengths = [1, 7, 0, 129, 20]
+    q, k, v, cu = _packed(lengths, 4, 1, 16, device)
+    out = flash_attention_varlen(q, k, v, cu, max(lengths), causal=causal)
+    assert_close(out, reference.attention_varlen(q.double(), k.double(), v.double(), cu, causal=causal), torch.float32)
+
+
+def test_varlen_backward_matches_autograd_of_reference(device):
+    lengths = [33, 1, 18]
+    q, k, v, cu = _packed(lengths, 4, 2, 16, device)
+    dout = _randn(q.shape, torch.float32, device, 3)
+    _check_backward(lambda q, k, v: flash_attention_varlen(q, k, v, cu, max(lengths)),
+                    lambda q, k, v: reference.attention_varlen(q, k, v, cu), (q, k, v), dout, torch.float32)
+
+
+def test_varlen_equals_padded_calls_one_sequence_at_a_time(device):
+    lengths = [9, 30]
+    q, k, v, cu = _packed(lengths, 2, 2, 16, device)
+    packed = flash_attention_varlen(q, k, v, cu, max(lengths))
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        one = flash_attention(*(t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+        torch.testing.assert_close(packed[start:end], one[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs
+# --------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_naming_the_argument(device):
+    q, k, v = _qkv(1, 4, 2, 8, 16, torch.float32, device)
+    with pytest.raises(ValueError, match="head dim 24"):
+        flash_attention(*_qkv(1, 2, 2, 8, 24, torch.float32, device))
+    with pytest.raises(TypeError, match="q must be float32"):
+        flash_attention(q.long(), k, v)
+    with pytest.raises(TypeError, match="k has dtype"):
+        flash_attention(q, k.half(), v)
+    with pytest.raises(ValueError, match="v has shape"):
+        flash_attention(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match="whole multiple of k's 3 heads"):
+        flash_attention(q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16))
+    with pytest.raises(ValueError, match="k has head dim"):
+        flash_attention(q, torch.zeros(1, 2, 8, 32, device=device), torch.zeros(1, 2, 8, 32, device=device))
+    with pytest.raises(ValueError, match="q must be"):
+        flash_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="causal attention needs as many keys"):
+        flash_attention(q, k[:, :, :5], v[:, :, :5], causal=True)
+    with pytest.raises(ValueError, match="k has 2 batch"):
+        flash_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    elsewhere = k.to("meta") if device.type == "cpu" else k.cpu()
+    with pytest.raises(ValueError, match=f"k must be a {device.type} tensor"):
+        flash_attention(q, elsewhere, v)
+
+
+def test_bad_varlen_inputs_raise_naming_the_argument(device):
+    q, k, v, cu = _packed([3, 4], 2, 2, 16, device)
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+        flash_attention_varlen(q, k, v, cu.long(), 4)
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        flash_attention_varlen(q, k, v, [0, 3, 7], 4)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        flash_attention_varlen(q, k, v, cu, 4.0)
+    with pytest.raises(ValueError, match="k has 6 tokens"):
+        flash_attention_varlen(q, k[:6], v[:6], cu, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU, at real sizes
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_forward_backward_at_real_size(head_dim, causal):
+    torch.manual_seed(0)
+    q, k, v = _qkv(2, 8, 2, 1024, head_dim, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    ours = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flash_attention(*ours, causal=causal)
+    out.backward(dout)
+    # fp32 math on the GPU is the reference at this size (float64 matmuls are slow there).
+    theirs = [t.float().requires_grad_(True) for t in (q, k, v)]
+    expected = reference.attention(*theirs, causal=causal)
+    expected.backward(dout.float())
+    assert_close(out, expected, torch.bfloat16)
+    for a, b in zip(ours, theirs):
+        assert_close(a.grad, b.grad, torch.bfloat16, scale=4.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_gpu_forward_matches_sdpa(head_dim):
+    torch.manual_seed(0)
+    q, k, v = _qkv(2, 16, 16, 2048, head_dim, torch.bfloat16, "cuda")
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_close(flash_attention(q, k, v), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_forward_backward():
+    torch.manual_seed(0)
+    lengths = [1, 17, 1000, 513, 2048]
+    q, k, v, cu = _packed(lengths, 8, 2, 128, "cuda")
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    dout = torch.randn_like(q)
+    _check_backward(lambda q, k, v: flash_attention_varlen(q, k, v, cu, max(lengths)),
+                    lambda q, k, v: reference.attention_varlen(q, k, v, cu), (q, k, v), dout, torch.bfloat16, scale=4.0)
