@@ -13,6 +13,12 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
         "CUDA graphs on a launch-bound MLP chain: eager vs fuselab.graphed vs torch.compile(mode='reduce-overhead'), "
         "batch 1-64: time per call, kernels and launches per call, capture vs compile time",
     ),
+    "kernels": (
+        "fuselab.bench.kernels",
+        "fused Triton kernels (norms, activations, softmax, ...) vs torch eager, torch.compile and Liger-Kernel: "
+        "us, GB/s and % of copy bandwidth at decode/batch/prefill/large sizes, forward and forward+backward, "
+        "and the host cost of one call",
+    ),
 }
 
 
