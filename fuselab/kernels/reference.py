@@ -119,6 +119,29 @@ def apply_rope(
     return rotate(q), rotate(k)
 
 
+def adamw_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW step (Loshchilov & Hutter, decoupled decay) as torch.optim.AdamW writes it;
+    `step` counts from 1. Returns the new (param, exp_avg, exp_avg_sq)."""
+    beta1, beta2 = betas
+    grad = -grad if maximize else grad
+    param = param * (1 - lr * weight_decay)
+    exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    denom = exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5 + eps
+    return param - lr / (1 - beta1**step) * exp_avg / denom, exp_avg, exp_avg_sq
+
+
 # --- attention ---
 
 
