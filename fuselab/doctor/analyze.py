@@ -1,0 +1,213 @@
+"""Read a trace step by step: how busy the GPU was, why it idled, how fast the host launched, what synced.
+
+A step is a "ProfilerStep#N" range on the host (the whole trace when there is none). GPU work
+belongs to the step in which the host queued it. The step lasts from its host start to whichever
+ends later, the host range or its last GPU work, and every microsecond of it is either GPU busy
+time (split into compute- and memory-bound kernel time by the roofline) or an idle gap, split
+by cause:
+
+- sync stall: a host-blocking call returned during the gap (the queue had been drained and the
+  host was waiting), or the gap precedes the copy a sync is waiting for;
+- launch gap: the GPU waited for the host: the call that launched the next kernel was still
+  being made when the GPU went idle;
+- other idle: the next kernel had been queued before the gap began (stream dependencies, the
+  GPU's own scheduling between back-to-back kernels).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from fuselab.device import Ceilings, ceilings as measured_ceilings
+from fuselab.doctor.fusion import FusionCandidate, fusion_candidates, kernel_label
+from fuselab.doctor.roofline import KernelCost, kernel_costs
+from fuselab.doctor.syncs import Sync, find_syncs
+from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
+
+
+@dataclass
+class StepStats:
+    name: str
+    start: float
+    end: float
+    host_us: float
+    wall_us: float
+    gpu_busy_us: float
+    gpu_busy_pct: float
+    kernels: int
+    copies: int  # memcpy and memset on the GPU
+    median_kernel_us: float
+    compute_us: float  # busy time in compute-bound kernels
+    memory_us: float  # busy time in memory-bound kernels and copies
+    launch_gap_us: float
+    sync_stall_us: float
+    other_idle_us: float
+    launches: int
+    launches_per_s: float
+    launch_delay_us: dict[str, float]
+    syncs: int
+    sync_blocked_us: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Analysis:
+    trace: Trace
+    ceilings: Ceilings
+    steps: list[StepStats]
+    step_events: list[list[int]]  # per step, indices into trace.gpu, in start order
+    syncs: list[list[Sync]]  # per step
+    gaps: list[list[tuple[float, float, str]]]  # per step: (start, end, "launch" | "sync" | "other")
+    costs: list[KernelCost]  # aligned with trace.gpu
+    fusion: list[FusionCandidate] = field(default_factory=list)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def _whole_trace_step(trace: Trace) -> Span:
+    starts = [g.ts for g in trace.gpu] + [r.ts for r in trace.runtime] + [o.ts for o in trace.cpu_ops]
+    ends = [g.end for g in trace.gpu] + [r.end for r in trace.runtime] + [o.end for o in trace.cpu_ops]
+    return Span("whole trace", min(starts), max(ends) - min(starts), 0)
+
+
+def _assign_to_steps(trace: Trace, steps: list[Span], call_of: dict[int, RuntimeCall]) -> list[list[int]]:
+    starts = [s.ts for s in steps]
+    members: list[list[int]] = [[] for _ in steps]
+    for i, g in enumerate(trace.gpu):
+        call = call_of.get(g.correlation)
+        t = call.ts if call is not None else g.ts
+        pos = bisect.bisect_right(starts, t) - 1
+        if pos >= 0 and t <= steps[pos].end:
+            members[pos].append(i)
+    return members
+
+
+def _step_stats(
+    trace: Trace, step: Span, indices: list[int], call_of: dict[int, RuntimeCall], costs: list[KernelCost],
+    syncs: list[Sync], sync_copies: set[int], gap_list: list[tuple[float, float, str]],
+) -> StepStats:
+    events = [trace.gpu[i] for i in indices]
+    end = max([step.end] + [g.end for g in events])
+    wall = end - step.ts
+    sync_ends = sorted(s.end for s in syncs)
+    gaps = {"launch": 0.0, "sync": 0.0, "other": 0.0}
+
+    def classify(g0: float, g1: float, next_index: int | None) -> None:
+        if g1 <= g0:
+            return
+        pos = bisect.bisect_left(sync_ends, g0)
+        if (pos < len(sync_ends) and sync_ends[pos] <= g1) or next_index in sync_copies:
+            kind = "sync"
+        else:
+            call = call_of.get(trace.gpu[next_index].correlation) if next_index is not None else None
+            # The GPU waited for the host when the launch was still in progress as it went idle; a
+            # kernel with no recorded launch (or a tail with nothing left to run) counts the same way.
+            kind = "launch" if call is None or call.end >= g0 else "other"
+        gaps[kind] += g1 - g0
+        gap_list.append((g0, g1, kind))
+
+    busy = 0.0
+    cursor = step.ts
+    for i, g in zip(indices, events):
+        if g.ts > cursor:
+            classify(cursor, g.ts, i)
+        busy += max(0.0, g.end - max(g.ts, cursor))
+        cursor = max(cursor, g.end)
+    classify(cursor, end, None)
+
+    kernel_durs = [g.dur for g in events if g.kind == "kernel"]
+    by_bound = {"compute": 0.0, "memory": 0.0}
+    for i in indices:
+        by_bound[costs[i].bound] += costs[i].dur_us
+    scale = busy / sum(by_bound.values()) if sum(by_bound.values()) > 0 else 0.0  # streams may overlap
+    delays = [g.ts - call_of[g.correlation].ts for g in events if g.correlation in call_of]
+    launches = len({g.correlation for g in events if g.correlation in call_of})
+    return StepStats(
+        name=step.name, start=step.ts, end=end, host_us=step.dur, wall_us=wall, gpu_busy_us=busy,
+        gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs), copies=len(events) - len(kernel_durs),
+        median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
+        compute_us=by_bound["compute"] * scale, memory_us=by_bound["memory"] * scale,
+        launch_gap_us=gaps["launch"], sync_stall_us=gaps["sync"], other_idle_us=gaps["other"],
+        launches=launches, launches_per_s=launches / step.dur * 1e6 if step.dur > 0 else 0.0,
+        launch_delay_us={
+            "median": statistics.median(delays) if delays else 0.0,
+            "p90": _quantile(delays, 0.9) if delays else 0.0,
+            "max": max(delays) if delays else 0.0,
+        },
+        syncs=len(syncs), sync_blocked_us=sum(s.blocked_us for s in syncs),
+    )
+
+
+def analyze(
+    trace: Trace,
+    ceilings: Ceilings,
+    skip_steps: int = 0,
+    on_stage: Callable[[str], None] | None = None,
+) -> Analysis:
+    """Per-step statistics, syncs, roofline and fusion candidates of a loaded trace."""
+    if not trace.gpu:
+        raise ValueError(
+            f"{trace.path}: the trace has no GPU events (kernels, copies): it was recorded without CUDA activity "
+            "or on a machine without a GPU, so there is nothing to diagnose on the device side"
+        )
+    report = on_stage or (lambda stage: None)
+    steps = trace.steps or [_whole_trace_step(trace)]
+    if skip_steps and len(steps) > skip_steps:
+        steps = steps[skip_steps:]
+    call_of = {r.correlation: r for r in trace.runtime if r.correlation is not None}
+
+    report("roofline")
+    op_of: dict[int, CpuOp | None] = {}
+    for i, g in enumerate(trace.gpu):
+        call = call_of.get(g.correlation)
+        op_of[i] = trace.op_for(g.external_id or (call.external_id if call else None))
+    costs = kernel_costs(trace.gpu, op_of, ceilings)
+
+    report("syncs")
+    all_syncs = find_syncs(trace)
+    # Copies launched by a blocking call: the gap before them is part of that sync's round trip.
+    sync_corr = {c for s in all_syncs for c in s.correlations}
+    sync_copies = {i for i, g in enumerate(trace.gpu) if g.kind == "memcpy" and g.correlation in sync_corr}
+
+    report("steps")
+    members = _assign_to_steps(trace, steps, call_of)
+    sync_starts = [s.ts for s in all_syncs]
+    per_step_syncs = []
+    for step in steps:
+        lo = bisect.bisect_left(sync_starts, step.ts)
+        hi = bisect.bisect_right(sync_starts, step.end)
+        per_step_syncs.append(all_syncs[lo:hi])
+    gaps: list[list[tuple[float, float, str]]] = [[] for _ in steps]
+    stats = [
+        _step_stats(trace, step, idx, call_of, costs, step_syncs, sync_copies, step_gaps)
+        for step, idx, step_syncs, step_gaps in zip(steps, members, per_step_syncs, gaps)
+    ]
+
+    report("fusion candidates")
+    labels = [kernel_label(g, op_of[i]) for i, g in enumerate(trace.gpu)]
+    fusion = fusion_candidates(members, trace.gpu, labels)
+    return Analysis(trace, ceilings, stats, members, per_step_syncs, gaps, costs, fusion)
+
+
+def analyze_file(
+    path: str | os.PathLike,
+    probe: str | os.PathLike | None = None,
+    ceilings: Ceilings | None = None,
+    skip_steps: int = 0,
+    on_stage: Callable[[str], None] | None = None,
+) -> Analysis:
+    """Load a trace file and analyze it against the given ceilings, a probe result, or this machine's."""
+    if ceilings is not None and probe is not None:
+        raise ValueError("give either ceilings or probe, not both")
+    (on_stage or (lambda stage: None))("reading trace")
+    trace = load_trace(path)
+    return analyze(trace, ceilings or measured_ceilings(probe), skip_steps=skip_steps, on_stage=on_stage)

@@ -1,0 +1,194 @@
+"""Profile a callable or a script with torch.profiler and hand the trace to the analysis.
+
+Steps are "ProfilerStep#N" ranges, the same names torch.profiler's own `prof.step()` writes, so a
+trace recorded here and one recorded elsewhere read the same way. At the end of each step the
+doctor waits for the GPU inside a "fuselab.doctor.step_boundary" range: steps then do not
+overlap on the GPU, and the analysis leaves that wait out of the workload's syncs.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from fuselab.device import Ceilings, ceilings as measured_ceilings, has_cuda
+from fuselab.doctor.analyze import analyze_file
+from fuselab.doctor.syncs import STEP_BOUNDARY
+from fuselab.doctor.trace import STEP_PREFIX
+from fuselab.doctor.verdict import Diagnosis, verdict_for
+from fuselab.timing import bench
+
+BATCH_FACTOR = 10
+
+
+class _Session:
+    """The profiler run that `step()` marks steps in; at most `max_steps` steps are recorded."""
+
+    def __init__(self, prof: profile, max_steps: int | None):
+        self.prof = prof
+        self.max_steps = max_steps
+        self.recorded = 0
+        self.open_range: record_function | None = None
+
+    def open_step(self) -> None:
+        self.open_range = record_function(f"{STEP_PREFIX}{self.recorded}")
+        self.open_range.__enter__()
+
+    def close_step(self) -> None:
+        with record_function(STEP_BOUNDARY):
+            if has_cuda():
+                torch.cuda.synchronize()
+        self.open_range.__exit__(None, None, None)
+        self.open_range = None
+        self.recorded += 1
+
+    @property
+    def full(self) -> bool:
+        return self.max_steps is not None and self.recorded >= self.max_steps
+
+
+_session: _Session | None = None
+
+
+def step() -> None:
+    """Mark the end of one step of a workload being profiled by `fuselab doctor SCRIPT`; a no-op otherwise.
+
+    Call it once per iteration (per decode step, per training step). Once enough steps are
+    recorded, profiling stops and the rest of the script runs unprofiled.
+    """
+    global _session
+    if _session is None or _session.open_range is None:
+        return
+    _session.close_step()
+    if _session.full:
+        _session.prof.stop()
+        return
+    _session.open_step()
+
+
+def _profiler() -> profile:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if has_cuda() else [])
+    return profile(activities=activities, record_shapes=True, with_stack=True)
+
+
+def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int = 5, warmup: int = 2,
+                 on_step: Callable[[int, int], None] | None = None) -> Path:
+    """Run fn `warmup` times unprofiled, then `steps` times under the profiler, and write the trace to path.
+
+    A path ending in .gz is written gzipped.
+    """
+    global _session
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    for _ in range(warmup):
+        fn()
+    if has_cuda():
+        torch.cuda.synchronize()
+    prof = _profiler()
+    session = _Session(prof, max_steps=None)
+    with prof:
+        _session = session
+        try:
+            for i in range(steps):
+                session.open_step()
+                fn()
+                session.close_step()
+                if on_step:
+                    on_step(i + 1, steps)
+        finally:
+            _session = None
+    prof.export_chrome_trace(str(path))
+    return Path(path)
+
+
+def _resolve_ceilings(ceilings: Ceilings | str | os.PathLike | None) -> Ceilings:
+    if ceilings is None or isinstance(ceilings, (str, os.PathLike)):
+        return measured_ceilings(ceilings)
+    if isinstance(ceilings, Ceilings):
+        return ceilings
+    raise TypeError(f"ceilings must be a Ceilings, a probe JSON path or None, got {type(ceilings).__name__}")
+
+
+def batch_test(batch_scale: Callable[[int], Callable[[], object]], factor: int = BATCH_FACTOR) -> dict:
+    """Time the workload at its batch and at `factor` times it: a launch-bound step barely slows down."""
+    base = bench(batch_scale(1), warmup_ms=10, rep_ms=50, flush_l2=False).median_us
+    scaled = bench(batch_scale(factor), warmup_ms=10, rep_ms=50, flush_l2=False).median_us
+    return {"factor": factor, "time_us_1x": base, f"time_us_{factor}x": scaled, "ratio": scaled / base if base else float("inf")}
+
+
+def diagnose(
+    fn: Callable[[], object],
+    steps: int = 5,
+    warmup: int = 2,
+    batch_scale: Callable[[int], Callable[[], object]] | None = None,
+    ceilings: Ceilings | str | os.PathLike | None = None,
+    progress: bool = True,
+) -> Diagnosis:
+    """Profile `fn()` (one step of a GPU workload) and say what bounds it: launch, sync, memory or compute.
+
+    `batch_scale(k)`, when given, returns a callable that runs the workload at k times its batch;
+    the step is then also timed at 1x and 10x (nearly unchanged time means a fixed cost per step).
+    `ceilings` is a `Ceilings`, a `fuselab probe` JSON path, or None for this machine's cached probe
+    (else the stated table).
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+    if batch_scale is not None and not callable(batch_scale):
+        raise TypeError(f"batch_scale must be a callable k -> callable, got {type(batch_scale).__name__}")
+    roofline = _resolve_ceilings(ceilings)
+    if not has_cuda():
+        raise RuntimeError("diagnose profiles GPU work and needs CUDA, which this machine lacks; "
+                           "fuselab.doctor.analyze_trace reads a trace recorded elsewhere")
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=not progress) as bar, tempfile.TemporaryDirectory() as tmp:
+        task = bar.add_task("profiling", total=steps)
+        path = record_trace(fn, Path(tmp) / "trace.json", steps=steps, warmup=warmup,
+                            on_step=lambda i, n: bar.update(task, completed=i, description=f"profiling step {i}/{n}"))
+        analysis = analyze_file(path, ceilings=roofline, on_stage=lambda s: bar.update(task, description=f"analyzing: {s}"))
+        test = None
+        if batch_scale is not None:
+            bar.update(task, description=f"timing at 1x and {BATCH_FACTOR}x the batch")
+            test = batch_test(batch_scale)
+    return verdict_for(analysis, test)
+
+
+def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str | os.PathLike,
+                   steps: int = 5, warmup: int = 1) -> tuple[Path, int]:
+    """Run a Python script as __main__ under the profiler; return the trace path and the steps it marked.
+
+    The script marks steps with `fuselab.doctor.step()`; the first `warmup` steps are recorded but
+    meant to be skipped by the analysis. A script that marks none is recorded whole as one step.
+    """
+    global _session
+    path = Path(script)
+    if not path.is_file():
+        raise ValueError(f"script: no such file {path}")
+    prof = _profiler()
+    _session = _Session(prof, max_steps=warmup + steps)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *argv]
+    sys.path.insert(0, str(path.parent.resolve()))
+    prof.start()
+    _session.open_step()
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        session, _session = _session, None
+        if session.open_range is not None:  # else step() already stopped the profiler
+            session.close_step()
+            prof.stop()
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    prof.export_chrome_trace(str(trace_path))
+    return Path(trace_path), session.recorded

@@ -1,0 +1,72 @@
+"""Show a diagnosis in the terminal (rich) and write it as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+from rich.console import Console
+from rich.table import Table
+
+from fuselab.doctor.verdict import Diagnosis
+
+VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green"}
+PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "launch_gaps": "launch gaps (GPU waited for the host)",
+              "sync_stalls": "sync stalls", "other_idle": "other idle"}
+
+
+def _bar(share: float, width: int = 30) -> str:
+    return "█" * round(share * width)
+
+
+def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
+    console = console or Console()
+    d = diagnosis
+    console.print(f"verdict: [{VERDICT_STYLE[d.verdict]}]{d.verdict}[/]  ({d.steps} steps, {d.wall_us_per_step:.0f} us per step, "
+                  f"GPU busy {d.gpu_busy_pct:.0f}%)")
+    for line in d.evidence:
+        console.print(f"  • {line}")
+
+    table = Table(title="where a step's time goes")
+    for col in ("part", "us / step", "share", ""):
+        table.add_column(col, justify="left" if col in ("part", "") else "right")
+    for part, v in d.breakdown.items():
+        table.add_row(PART_NAMES[part], f"{v['us']:.1f}", f"{100 * v['share']:.1f}%", _bar(v["share"]))
+    console.print(table)
+
+    if d.analysis is not None:
+        a = d.analysis
+        steps = Table(title="steps")
+        for col in ("step", "wall us", "GPU busy", "kernels", "median kernel us", "launches/s", "launch delay us (median)", "syncs"):
+            steps.add_column(col, justify="left" if col == "step" else "right")
+        for s in a.steps:
+            steps.add_row(s.name, f"{s.wall_us:.0f}", f"{s.gpu_busy_pct:.0f}%", str(s.kernels), f"{s.median_kernel_us:.1f}",
+                          f"{s.launches_per_s:,.0f}", f"{s.launch_delay_us['median']:.1f}", str(s.syncs))
+        console.print(steps)
+        sites = Counter((s.cause, s.source or "(no stack recorded)") for step in a.syncs for s in step)
+        if sites:
+            syncs = Table(title="host-blocking syncs")
+            for col in ("cause", "source", "count"):
+                syncs.add_column(col, justify="right" if col == "count" else "left")
+            for (cause, source), n in sites.most_common():
+                syncs.add_row(cause, source, str(n))
+            console.print(syncs)
+        if a.fusion:
+            fusion = Table(title="recurring kernel sequences")
+            for col in ("sequence", "count", "total us", "fix"):
+                fusion.add_column(col, justify="right" if col in ("count", "total us") else "left")
+            for c in a.fusion:
+                fusion.add_row(" → ".join(c.labels), str(c.count), f"{c.total_us:.0f}", c.fix)
+            console.print(fusion)
+
+    console.print("[bold]fixes, by estimated saving[/]")
+    for rank, fix in enumerate(d.fixes, 1):
+        saving = f"~{fix.saving_us:.0f} us/step" if fix.saving_us else "—"
+        console.print(f"  {rank}. {fix.action}  [dim]({saving}; {fix.why})[/]")
+
+
+def write_json(diagnosis: Diagnosis, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        json.dump(diagnosis.to_dict(), f, indent=2)
+        f.write("\n")

@@ -1,0 +1,130 @@
+"""Find the host-blocking calls in a trace, say what caused each one and where in the source it is.
+
+A sync is a host API call that returns only when the GPU has caught up: explicit synchronize
+calls, blocking copies, and copies to pageable host memory (what `.item()` and `.cpu()` do). The
+calls one CPU op makes (`.item()` issues a copy and then a stream synchronize) count as one sync.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fuselab.doctor.trace import GpuEvent, PyFrame, RuntimeCall, Trace
+
+SYNC_APIS = {
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+    "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize",
+}
+BLOCKING_COPY_APIS = {"cudaMemcpy", "cuMemcpyDtoH", "cuMemcpyDtoH_v2"}
+ASYNC_COPY_APIS = {"cudaMemcpyAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoHAsync_v2", "cuMemcpyAsync"}
+
+# The doctor synchronizes at each step boundary so that steps do not overlap; those syncs are
+# the profiler's, not the workload's, and are left out.
+STEP_BOUNDARY = "fuselab.doctor.step_boundary"
+
+_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<function>.+)$")
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python")
+_TENSOR_PRINT = re.compile(r"torch/_tensor_str\.py\(|torch/_tensor\.py\(\d+\): __(repr|str|format)__")
+
+# ATen ops that force a sync, by what the user wrote; checked in this order on the ops enclosing the call.
+_IMPLICIT_CAUSES = (
+    ("aten::is_nonzero", "`if tensor:` (truth value of a GPU tensor)"),
+    ("aten::item", "`.item()`"),
+    ("aten::_local_scalar_dense", "`.item()`"),
+    ("aten::nonzero", "`torch.nonzero` (output size depends on the data)"),
+    ("aten::masked_select", "`tensor[mask]` / `masked_select` (output size depends on the data)"),
+    ("aten::unique", "`torch.unique` (output size depends on the data)"),
+    ("aten::_unique2", "`torch.unique` (output size depends on the data)"),
+    ("aten::repeat_interleave", "`repeat_interleave` with tensor repeats (output size depends on the data)"),
+)
+_COPY_OPS = {"aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu"}
+
+
+@dataclass
+class Sync:
+    api: str  # the host call(s) that blocked, e.g. "cudaMemcpyAsync+cudaStreamSynchronize"
+    ts: float
+    blocked_us: float
+    tid: int
+    cause: str  # what the user wrote, e.g. "`.item()`"
+    source: str | None  # "file.py:LINE (function)" of the innermost user frame, when stacks were recorded
+    correlations: tuple[int, ...] = ()  # of the blocking calls, linking them to the copies they waited for
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.blocked_us
+
+    def to_dict(self) -> dict:
+        return {"api": self.api, "ts": self.ts, "blocked_us": self.blocked_us, "cause": self.cause, "source": self.source}
+
+
+def _is_blocking(call: RuntimeCall, copy: GpuEvent | None) -> bool:
+    if call.name in SYNC_APIS or call.name in BLOCKING_COPY_APIS:
+        return True
+    # An asynchronous copy into pageable host memory cannot return before the data has arrived.
+    return call.name in ASYNC_COPY_APIS and copy is not None and copy.device_to_host and "Pinned" not in copy.name
+
+
+def _frame_location(frame: PyFrame) -> tuple[str, int, str] | None:
+    m = _FRAME.match(frame.name)
+    return (m["file"], int(m["line"]), m["function"]) if m else None
+
+
+def source_line(frames: list[PyFrame]) -> str | None:
+    """The innermost frame of user code (not torch, not an installed package), else the innermost non-torch frame."""
+    located = [loc for loc in map(_frame_location, frames) if loc and not loc[0].startswith("<")]
+    user = [loc for loc in located if not any(m in loc[0] for m in _LIBRARY_MARKERS) and "/torch/" not in loc[0]]
+    outside_torch = [loc for loc in located if "/torch/" not in loc[0]]
+    chosen = (user or outside_torch or [None])[0]
+    return None if chosen is None else f"{chosen[0]}:{chosen[1]} ({chosen[2]})"
+
+
+def _cause(call_names: list[str], op_names: list[str], frames: list[PyFrame], copies_to_host: bool) -> str:
+    if any(_TENSOR_PRINT.search(f.name) for f in frames):
+        return "printing or formatting a GPU tensor"
+    for op, cause in _IMPLICIT_CAUSES:
+        if op in op_names:
+            return cause
+    if copies_to_host and _COPY_OPS.intersection(op_names):
+        return "`.cpu()` / `.to('cpu')` / `.tolist()` (copy to host memory)"
+    if op_names:
+        return f"`{op_names[0].removeprefix('aten::')}` (a copy to the host or an explicit sync inside it)"
+    if "cudaDeviceSynchronize" in call_names or "cuCtxSynchronize" in call_names:
+        return "`torch.cuda.synchronize()`"
+    if "cudaEventSynchronize" in call_names or "cuEventSynchronize" in call_names:
+        return "`event.synchronize()`"
+    return f"explicit `{call_names[0]}`"
+
+
+def find_syncs(trace: Trace) -> list[Sync]:
+    """Every host-blocking call in the trace, grouped per CPU op, in time order."""
+    copy_by_correlation = {g.correlation: g for g in trace.gpu if g.kind == "memcpy" and g.correlation is not None}
+    boundaries = [a for a in trace.annotations if a.name == STEP_BOUNDARY]
+    groups: dict[tuple, list[RuntimeCall]] = {}
+    for call in trace.runtime:
+        copy = copy_by_correlation.get(call.correlation)
+        if not _is_blocking(call, copy):
+            continue
+        if any(b.tid == call.tid and b.ts <= call.ts <= b.end for b in boundaries):
+            continue
+        key = (call.tid, call.external_id) if call.external_id else (call.tid, "call", call.ts)
+        groups.setdefault(key, []).append(call)
+    syncs = []
+    for calls in groups.values():
+        first = calls[0]
+        ops = trace.ops_enclosing(first.tid, first.ts + first.dur / 2)
+        frames = trace.frames_enclosing(first.tid, first.ts + first.dur / 2)
+        names = [c.name for c in calls]
+        to_host = any((g := copy_by_correlation.get(c.correlation)) is not None and g.device_to_host for c in calls)
+        syncs.append(Sync(
+            api="+".join(dict.fromkeys(names)),
+            ts=first.ts,
+            blocked_us=sum(c.dur for c in calls),
+            tid=first.tid,
+            cause=_cause(names, [o.name for o in reversed(ops)], frames, to_host),
+            source=source_line(frames),
+            correlations=tuple(c.correlation for c in calls if c.correlation is not None),
+        ))
+    syncs.sort(key=lambda s: s.ts)
+    return syncs

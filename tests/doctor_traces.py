@@ -1,0 +1,166 @@
+"""Synthetic Kineto traces with known answers, in the format torch.profiler exports.
+
+Each scenario is laid out by hand so that every figure the doctor reports (kernels, gaps, syncs,
+source lines) can be checked exactly. Times are microseconds from BASE, as in a real trace.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+BASE = 5_000_000_000.0  # Kineto timestamps are large microsecond counts
+PID = TID = 4242
+STREAM = 7
+
+
+class TraceBuilder:
+    def __init__(self) -> None:
+        self.events: list[dict] = [
+            {"ph": "M", "name": "process_name", "pid": PID, "tid": 0, "ts": BASE, "args": {"name": "python"}},
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "ts": BASE, "args": {"name": "CUDA GPU 0"}},
+        ]
+        self._external_id = 0
+        self._correlation = 0
+
+    def _x(self, cat: str, name: str, ts: float, dur: float, pid=PID, tid=TID, **args) -> dict:
+        event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": BASE + ts, "dur": dur, "args": args}
+        self.events.append(event)
+        return event
+
+    def step(self, n: int, ts: float, dur: float) -> None:
+        self._external_id += 1
+        self._x("user_annotation", f"ProfilerStep#{n}", ts, dur, **{"External id": self._external_id})
+
+    def annotation(self, name: str, ts: float, dur: float) -> None:
+        self._external_id += 1
+        self._x("user_annotation", name, ts, dur, **{"External id": self._external_id})
+
+    def op(self, name: str, ts: float, dur: float, dims=(), types=()) -> int:
+        self._external_id += 1
+        self._x("cpu_op", name, ts, dur, **{
+            "External id": self._external_id, "Input Dims": list(dims), "Input type": list(types),
+            "Sequence number": 0, "Fwd thread id": 0, "Record function id": 0,
+        })
+        return self._external_id
+
+    def frame(self, name: str, ts: float, dur: float) -> None:
+        self._x("python_function", name, ts, dur, **{"Python parent id": None, "Python id": len(self.events)})
+
+    def runtime(self, name: str, ts: float, dur: float, external_id: int | None = None) -> int:
+        self._correlation += 1
+        self._x("cuda_runtime", name, ts, dur, **{"External id": external_id or 0, "cbid": 211, "correlation": self._correlation})
+        return self._correlation
+
+    def gpu(self, name: str, ts: float, dur: float, correlation: int, external_id: int | None, cat: str = "kernel") -> None:
+        self._x(cat, name, ts, dur, pid=0, tid=STREAM, **{
+            "External id": external_id or 0, "queued": 0, "device": 0, "context": 1, "stream": STREAM,
+            "correlation": correlation, "grid": [1, 1, 1], "block": [128, 1, 1],
+        })
+        self.events.append({"ph": "s", "id": correlation, "pid": PID, "tid": TID, "ts": BASE + ts, "cat": "ac2g", "name": "ac2g"})
+        self.events.append({"ph": "f", "id": correlation, "pid": 0, "tid": STREAM, "ts": BASE + ts, "cat": "ac2g", "name": "ac2g", "bp": "e"})
+
+    def launch(self, op_name: str, op_ts: float, kernel_ts: float, kernel_dur: float, dims=(), types=(),
+               kernel_name: str | None = None) -> None:
+        """An op at op_ts (8 us) whose cudaLaunchKernel runs op_ts+2 .. op_ts+6, its kernel at kernel_ts."""
+        ext = self.op(op_name, op_ts, 8.0, dims, types)
+        corr = self.runtime("cudaLaunchKernel", op_ts + 2, 4.0, ext)
+        self.gpu(kernel_name or f"void at::native::{op_name.removeprefix('aten::')}_kernel<float>(float*)", kernel_ts, kernel_dur, corr, ext)
+
+    def document(self) -> dict:
+        return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H200"}], "record_shapes": 1,
+                "with_stack": 1, "traceEvents": self.events, "displayTimeUnit": "ms", "baseTimeNanoseconds": 0}
+
+    def write(self, path: Path) -> Path:
+        text = json.dumps(self.document())
+        if str(path).endswith(".gz"):
+            path.write_bytes(gzip.compress(text.encode()))
+        else:
+            path.write_text(text)
+        return path
+
+
+RMS_NORM = ("aten::pow", "aten::mean", "aten::add", "aten::rsqrt", "aten::mul", "aten::mul")
+
+
+def launch_bound(steps: int = 3) -> TraceBuilder:
+    """Per 1000 us step: 98 kernels of 2 us, one launched every 10 us (14 x an unfused RMSNorm + a tiny mm).
+
+    Each kernel starts 5 us after its launch call returns, so every gap waits for the host:
+    busy 196 us, launch gaps 804 us (7 before the first kernel, 97 x 8 between, 13 after the last).
+    """
+    b = TraceBuilder()
+    cycle = RMS_NORM + ("aten::mm",)
+    for n in range(steps):
+        s = 2000.0 * n
+        b.step(n, s, 1000.0)
+        for i in range(98):
+            name = cycle[i % len(cycle)]
+            dims = [[1, 64], [64, 64]] if name == "aten::mm" else [[1, 64], []]
+            b.launch(name, s + 10 * i, s + 10 * i + 7, 2.0, dims, ["float", "float" if name == "aten::mm" else "Scalar"])
+    return b
+
+
+def sync_bound(steps: int = 3) -> TraceBuilder:
+    """Per 1000 us step: 10 iterations of a 20 us mm then `.item()` (a 2 us copy to pageable memory + a stream sync).
+
+    Per step: busy 220 us, 10 syncs, launch gap 5 us (before the first mm), sync stalls 775 us
+    (1 us before each copy, 77 us after each of the first 9 syncs, 72 us after the last).
+    The `.item()` is on line 42 of train.py.
+    """
+    b = TraceBuilder()
+    for n in range(steps):
+        s = 2000.0 * n
+        b.step(n, s, 1000.0)
+        b.frame("train.py(50): <module>", s, 1000.0)
+        for j in range(10):
+            t = s + 100 * j
+            b.frame("train.py(42): loop", t, 95.0)
+            ext = b.op("aten::mm", t, 4.0, [[256, 256], [256, 256]], ["c10::BFloat16", "c10::BFloat16"])
+            b.gpu("sm90_xmma_gemm_bf16bf16_bf16f32", t + 5, 20.0, b.runtime("cudaLaunchKernel", t + 1, 3.0, ext), ext)
+            b.frame("<built-in method item of Tensor object at 0x7f00>", t + 9, 62.0)
+            b.op("aten::item", t + 10, 60.0, [[]], ["c10::BFloat16"])
+            ext = b.op("aten::_local_scalar_dense", t + 11, 58.0, [[]], ["c10::BFloat16"])
+            b.gpu("Memcpy DtoH (Device -> Pageable)", t + 26, 2.0, b.runtime("cudaMemcpyAsync", t + 12, 17.0, ext), ext, cat="gpu_memcpy")
+            b.runtime("cudaStreamSynchronize", t + 29, 2.0, ext)
+    return b
+
+
+def memory_bound(steps: int = 3) -> TraceBuilder:
+    """Per step: 4 bf16 multiplies of 16M elements (100,663,296 bytes each) in 30 us, queued ahead by the host.
+
+    Per 128 us step: busy 120, launch gap 5 (before the first kernel), other idle 3 (1 us between kernels).
+    At the stated 4230 GB/s a multiply could take 23.8 us: 79% of the ceiling.
+    """
+    b = TraceBuilder()
+    n_elem = 16_777_216
+    for n in range(steps):
+        s = 1000.0 * n
+        b.step(n, s, 100.0)
+        for k in range(4):
+            ext = b.op("aten::mul", s + k, 1.0, [[n_elem], [n_elem]], ["c10::BFloat16", "c10::BFloat16"])
+            corr = b.runtime("cudaLaunchKernel", s + k, 1.0, ext)
+            b.gpu("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16>>()",
+                  s + 5 + 31 * k, 30.0, corr, ext)
+    return b
+
+
+def compute_bound(steps: int = 3) -> TraceBuilder:
+    """Per step: two 8192^3 bf16 GEMMs (1.0995e12 FLOPs, 1409.6 us at 780 TFLOP/s) of 1800 us each: 78% of the ceiling."""
+    b = TraceBuilder()
+    for n in range(steps):
+        s = 10_000.0 * n
+        b.step(n, s, 50.0)
+        for k in range(2):
+            ext = b.op("aten::mm", s + 2 * k, 1.0, [[8192, 8192], [8192, 8192]], ["c10::BFloat16", "c10::BFloat16"])
+            corr = b.runtime("cudaLaunchKernel", s + 2 * k + 1, 1.0, ext)
+            b.gpu("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", s + 10 + 1801 * k, 1800.0, corr, ext)
+    return b
+
+
+def cpu_only() -> TraceBuilder:
+    b = TraceBuilder()
+    b.step(0, 0.0, 100.0)
+    b.op("aten::add", 1.0, 5.0, [[4], [4]], ["float", "float"])
+    return b
