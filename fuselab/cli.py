@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from fuselab.doctor.cli import add_doctor_parser, run_doctor
+
 # `fuselab bench SUBJECT`: each subject is a module of fuselab.bench with add_arguments(parser) and run(args) -> int.
 BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
     "graphs": (
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fuselab {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_probe(sub)
+    add_doctor_parser(sub)
     if BENCH_SUBJECTS:
         _add_bench(sub)
     return parser
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from fuselab.probe import main as probe_main
 
         return probe_main(json_path=args.json, plot_path=args.plot, markdown_path=args.markdown, quick=args.quick, cache=not args.no_cache)
+    if args.command == "doctor":
+        return run_doctor(args)
     if args.command == "bench":
         return importlib.import_module(BENCH_SUBJECTS[args.subject][0]).run(args)
     raise AssertionError(f"unhandled command {args.command}")

@@ -184,6 +184,9 @@ def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str |
     _session.open_step()
     try:
         runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            raise
     finally:
         session, _session = _session, None
         if session.open_range is not None:  # else step() already stopped the profiler

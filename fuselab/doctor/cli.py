@@ -1,0 +1,102 @@
+"""`fuselab doctor`: argument wiring for the command line; the work is done by the rest of the package."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+DESCRIPTION = (
+    "Profile a GPU workload and say why it is slow: launch-bound (the GPU waits for the host to launch "
+    "kernels), sync-bound (.item(), .cpu(), printing or branching on GPU tensors drains the GPU), memory-bound "
+    "or compute-bound. Reads a trace that torch.profiler exported (--trace FILE, .json or .json.gz; works on "
+    "any machine), or runs SCRIPT under the profiler (needs CUDA), with its steps marked by calls to "
+    "fuselab.doctor.step() (a script that marks none is profiled whole, as one step). Prints the verdict, the "
+    "evidence (GPU busy time, idle gaps split into launch gaps, sync stalls and other idle, syncs with their "
+    "source lines, roofline position against the `fuselab probe` ceilings, recurring kernel sequences) and "
+    "ranked fixes: CUDA-graph capture, fuselab fused kernels, removing a sync at file:line."
+)
+
+
+def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "doctor", help="profile a workload (or read a trace) and say why it is slow, with the fix",
+        description=DESCRIPTION,
+        epilog="examples:  fuselab doctor --trace trace.json.gz --html report.html\n"
+               "           fuselab doctor --steps 10 decode.py --max-tokens 32",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", metavar="FILE", help="analyze this torch.profiler trace instead of running a script")
+    p.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH")
+    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report with a timeline to PATH")
+    p.add_argument("--probe", metavar="PROBE_JSON",
+                   help="ceilings from this `fuselab probe --json` result (default: the cached probe, else stated H200 figures)")
+    p.add_argument("--steps", type=int, default=5, help="SCRIPT mode: steps to profile after the warm-up (default 5)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps to leave out at the start: in SCRIPT mode the first marked steps, with --trace the "
+                        "first ProfilerStep ranges (default 1 for SCRIPT, 0 with --trace)")
+    p.add_argument("--save-trace", metavar="PATH", help="SCRIPT mode: keep the recorded trace at PATH (.json or .json.gz)")
+    p.add_argument("script", nargs="?", metavar="SCRIPT", help="a Python script to run under the profiler")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
+    return p
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fuselab.device import has_cuda
+    from fuselab.doctor.analyze import analyze_file
+    from fuselab.doctor.html import write_html
+    from fuselab.doctor.report import render, write_json
+    from fuselab.doctor.verdict import verdict_for
+
+    console = Console()
+    if bool(args.trace) == bool(args.script):
+        console.print("[red]error:[/] give either --trace FILE or SCRIPT (see `fuselab doctor --help`)")
+        return 2
+    warmup = args.warmup if args.warmup is not None else (0 if args.trace else 1)
+    if args.steps < 1 or warmup < 0:
+        console.print(f"[red]error:[/] --steps must be >= 1 and --warmup >= 0 (got {args.steps}, {warmup})")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.trace:
+            trace_path, skip = Path(args.trace), warmup
+        else:
+            if not has_cuda():
+                console.print("[red]error:[/] profiling GPU work needs CUDA, and this machine has no CUDA GPU. "
+                              "Record the trace on a GPU machine (`fuselab doctor --save-trace trace.json.gz SCRIPT`) "
+                              "and read it anywhere with `fuselab doctor --trace trace.json.gz`.")
+                return 2
+            from fuselab.doctor.profile import profile_script
+
+            trace_path = Path(args.save_trace or Path(tmp) / "trace.json")
+            console.print(f"running {args.script} under the profiler ({warmup} warm-up + {args.steps} steps)")
+            try:
+                _, recorded = profile_script(args.script, args.script_args, trace_path, steps=args.steps, warmup=warmup)
+            except ValueError as err:
+                console.print(f"[red]error:[/] {err}")
+                return 2
+            except SystemExit as stop:
+                console.print(f"[red]error:[/] {args.script} exited with status {stop.code}")
+                return 1
+            skip = warmup if recorded > warmup else 0  # a script that marked no steps is one step
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("analyzing", total=None)
+            try:
+                analysis = analyze_file(trace_path, probe=args.probe, skip_steps=skip,
+                                        on_stage=lambda s: bar.update(task, description=f"analyzing: {s}"))
+            except (ValueError, FileNotFoundError) as err:
+                bar.stop()
+                console.print(f"[red]error:[/] {err}")
+                return 2
+    diagnosis = verdict_for(analysis)
+    render(diagnosis, console)
+    if args.json:
+        write_json(diagnosis, args.json)
+        console.print(f"wrote {args.json}")
+    if args.html:
+        write_html(diagnosis, args.html)
+        console.print(f"wrote {args.html}")
+    return 0
+
