@@ -19,5 +19,6 @@ from fuselab.kernels.rope import apply_rope, rope_cos_sin
 
 # --- attention (exports) ---
 from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
+from fuselab.kernels.paged_attention import decode_attention, store_kv
 
-__all__: list[str] = ["add", "apply_rope", "bias_act", "cross_entropy", "flash_attention", "flash_attention_varlen", "layer_norm", "rms_norm", "rope_cos_sin", "silu_and_mul", "softmax", "swiglu"]
+__all__: list[str] = ["add", "apply_rope", "bias_act", "cross_entropy", "decode_attention", "flash_attention", "flash_attention_varlen", "layer_norm", "rms_norm", "rope_cos_sin", "silu_and_mul", "softmax", "store_kv", "swiglu"]

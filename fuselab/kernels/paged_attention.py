@@ -1,0 +1,341 @@
+"""Decode attention over a paged KV cache, and the kernel that writes new keys and values into it.
+
+The cache holds keys (and, separately, values) in fixed-size blocks, [num_blocks, block_size,
+kv_heads, head_dim]; sequence i's token t lives in block block_tables[i, t // block_size] at
+offset t % block_size. Blocks of a sequence need not be adjacent, so memory is handed out a block
+at a time (vLLM's PagedAttention).
+
+`decode_attention` is flash-decoding: one query token per sequence, its context cut into
+`num_splits` parts processed by separate programs, each writing a partial output and its
+log-sum-exp; a second kernel merges the parts. The query heads that share a key/value head are one
+[group, head_dim] tile, so each key and value is read once for the whole group. Everything sized on
+the host comes from shapes and arguments, never from seq_lens' values: no host sync, no
+data-dependent allocation, so a captured CUDA graph replays it with new seq_lens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.device import triton_interpreted
+from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS, dot_precision, padded_head_dim
+from fuselab.kernels._validate import check_float_tensor
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, K_CACHE, V_CACHE, SLOT_MAPPING, stride_kt, stride_vt, stride_kc_block, stride_kc_slot,
+    stride_vc_block, stride_vc_slot, token_width, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # One program per token: its kv_heads · head_dim values are contiguous in the input and in the slot.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOT_MAPPING + token).to(tl.int64)
+    if slot < 0:  # padding of a batch rounded up for a CUDA graph
+        return
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    cols = tl.arange(0, BLOCK)
+    mask = cols < token_width
+    k = tl.load(K + token * stride_kt + cols, mask=mask)
+    v = tl.load(V + token * stride_vt + cols, mask=mask)
+    tl.store(K_CACHE + page * stride_kc_block + offset * stride_kc_slot + cols, k.to(K_CACHE.dtype.element_ty), mask=mask)
+    tl.store(V_CACHE + page * stride_vc_block + offset * stride_vc_slot + cols, v.to(V_CACHE.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE,
+    stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, num_splits, qk_scale,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
+    # here on the device, so every split of a long or short sequence gets an even share.
+    batch = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(SEQ_LENS + batch)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    d_ok = offs_d < HEAD_DIM
+    # tl.dot needs 16 rows: a group smaller than that is padded with zero queries, never stored.
+    q_mask = (offs_g < GROUP)[:, None] & d_ok[None, :]
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    table = BLOCK_TABLES + batch.to(tl.int64) * stride_table
+    K_head = K_CACHE + kv_head.to(tl.int64) * stride_kc_head
+    V_head = V_CACHE + kv_head.to(tl.int64) * stride_vc_head
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tokens = start + offs_n
+        token_ok = tokens < hi
+        pages = tl.load(table + tokens // PAGE_SIZE, mask=token_ok, other=0).to(tl.int64)
+        in_page = tokens % PAGE_SIZE
+        kT = tl.load(K_head + (pages * stride_kc_block + in_page * stride_kc_slot)[None, :] + offs_d[:, None],
+                     mask=token_ok[None, :] & d_ok[:, None], other=0.0)
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(token_ok[None, :], qk, float("-inf"))
+        # Each iterated block holds at least one token of the split, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_head + (pages * stride_vc_block + in_page * stride_vc_slot)[:, None] + offs_d[None, :],
+                    mask=token_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # A split past the sequence's end keeps m_i = -inf, l_i = 0: its lse is -inf and the merge gives it no weight.
+    parts = ((batch * num_heads + heads) * num_splits + split).to(tl.int64)
+    head_ok = offs_g < GROUP
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
+    out = acc / l_safe[:, None]
+    tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PART_OUT, PART_LSE, OUT, stride_ob, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    # Grid: (batch · heads,). out = Σ w_s · out_s / Σ w_s with w_s = exp2(lse_s - max lse).
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    split_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(PART_LSE + row * num_splits + offs_s, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
+    weights = tl.math.exp2(lse - m)
+    parts = tl.load(PART_OUT + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    batch = row // num_heads
+    head = row % num_heads
+    tl.store(OUT + batch * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+
+
+class DecodeConfig(NamedTuple):
+    block_n: int  # context tokens per loop step, across page boundaries
+    num_warps: int
+    num_stages: int
+
+
+# Hopper, keyed by the head dim rounded up to a power of two: three stages of 64-token K and V
+# tiles at d=128 are 96 KiB of shared memory, two programs per SM.
+DECODE_CONFIGS: dict[int, DecodeConfig] = {
+    16: DecodeConfig(64, 4, 3),
+    32: DecodeConfig(64, 4, 3),
+    64: DecodeConfig(64, 4, 3),
+    128: DecodeConfig(64, 4, 3),
+    256: DecodeConfig(32, 4, 3),
+}
+# A 32-token step crosses a page boundary at block_size 16 and stays inside one at 64.
+INTERPRETER_DECODE = DecodeConfig(32, 1, 1)
+
+# Splits shorter than this cost more in fixed work (query load, partial write, merge) than they save.
+MIN_TOKENS_PER_SPLIT = 256
+# Enough programs to give every SM this many to interleave, so loads stay in flight.
+PROGRAMS_PER_SM = 4
+
+
+def decode_config(head_dim: int) -> DecodeConfig:
+    return INTERPRETER_DECODE if triton_interpreted() else DECODE_CONFIGS[padded_head_dim(head_dim)]
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, device: torch.device) -> int:
+    """How many parts to cut each context into, from static sizes only (so a CUDA graph can hold it)."""
+    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+    to_fill_gpu = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(1, batch * kv_heads))
+    by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(max_splits, to_fill_gpu, by_length))
+
+
+def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
+    token_width = k.shape[1] * k.shape[2]
+    _store_kv_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), token_width,
+        PAGE_SIZE=k_cache.shape[1], BLOCK=triton.next_power_of_2(token_width), num_warps=4,
+    )
+
+
+def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) -> torch.Tensor:
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    block_d = padded_head_dim(head_dim)
+    cfg = decode_config(head_dim)
+    part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        splits, scale * math.log2(math.e),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
+    _decode_merge_kernel[(batch * heads,)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def _check_int_tensor(name: str, t: object, ndim: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
+
+
+def _check_caches(k_cache: object, v_cache: object) -> None:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_float_tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [num_blocks, block_size, kv_heads, head_dim], got shape {tuple(t.shape)}")
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must have a unit-stride head_dim, got strides {t.stride()}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}")
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache has dtype {v_cache.dtype} but k_cache has dtype {k_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device} but k_cache is on {k_cache.device}")
+    block_size = k_cache.shape[1]
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"k_cache's block_size (dim 1) must be a power of two, got {block_size}")
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write token t's keys and values, k, v [tokens, kv_heads, head_dim], into cache slot
+    slot_mapping[t] = block · block_size + offset of k_cache, v_cache, in place. Slot -1 is skipped."""
+    _check_caches(k_cache, v_cache)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(2) != t.shape[3]:
+            raise ValueError(f"{name} must hold each slot's heads side by side (stride {t.shape[3]} on dim 2), "
+                             f"got strides {t.stride()}")
+    for name, t in (("k", k), ("v", v)):
+        check_float_tensor(name, t)
+        if t.dim() != 3 or tuple(t.shape[1:]) != tuple(k_cache.shape[2:]):
+            raise ValueError(f"{name} must be [tokens, {k_cache.shape[2]}, {k_cache.shape[3]}] to match the cache, "
+                             f"got shape {tuple(t.shape)}")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v has {v.shape[0]} tokens but k has {k.shape[0]}")
+    _check_int_tensor("slot_mapping", slot_mapping, 1, k_cache.device)
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    if k.shape[0] == 0:
+        return
+    # Each token's heads must be one contiguous run (true of a slice of a fused qkv projection).
+    k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
+    store_kv_launch(k, v, k_cache, v_cache, slot_mapping.contiguous())
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    max_seq_len: int | None = None,
+    max_splits: int = 32,
+) -> torch.Tensor:
+    """Attention of one query token per sequence, q [batch, heads, head_dim], over its first
+    seq_lens[i] cached tokens, found through block_tables [batch, max_blocks] (int32 block ids).
+
+    kv_heads (the cache's dim 2) may divide heads (grouped-query attention). The context is split
+    into at most max_splits parts; how many comes from batch, kv_heads and max_seq_len (default:
+    the block table's capacity), never from seq_lens' values, so the call can be captured in a
+    CUDA graph and replayed with other lengths. max_seq_len only tunes the split count: longer
+    sequences are still right. A sequence of length 0 gets zeros. Entries of block_tables past a
+    sequence's length are never read.
+    """
+    _check_caches(k_cache, v_cache)
+    check_float_tensor("q", q)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, heads, head_dim], got shape {tuple(q.shape)}")
+    if q.device != k_cache.device:
+        raise ValueError(f"q is on {q.device} but k_cache is on {k_cache.device}")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"k_cache has dtype {k_cache.dtype} but q has dtype {q.dtype}")
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q has head dim {head_dim}; supported head dims are {SUPPORTED_HEAD_DIMS}")
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]} but q has head dim {head_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q's {heads} heads must be a whole multiple of k_cache's {kv_heads} kv heads")
+    _check_int_tensor("block_tables", block_tables, 2, q.device)
+    _check_int_tensor("seq_lens", seq_lens, 1, q.device)
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError(f"block_tables ({block_tables.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) "
+                         f"must have one entry per sequence of q ({batch})")
+    if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 1:
+        raise ValueError(f"max_splits must be a positive int, got {max_splits!r}")
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if batch == 0:
+        return torch.empty_like(q)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    splits = num_splits(batch, kv_heads, max_seq_len, max_splits, q.device)
+    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits)
