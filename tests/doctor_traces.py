@@ -23,6 +23,7 @@ class TraceBuilder:
         ]
         self._external_id = 0
         self._correlation = 0
+        self._call_ts: dict[int, float] = {}
 
     def _x(self, cat: str, name: str, ts: float, dur: float, pid=PID, tid=TID, **args) -> dict:
         event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": BASE + ts, "dur": dur, "args": args}
@@ -50,6 +51,7 @@ class TraceBuilder:
 
     def runtime(self, name: str, ts: float, dur: float, external_id: int | None = None) -> int:
         self._correlation += 1
+        self._call_ts[self._correlation] = ts
         self._x("cuda_runtime", name, ts, dur, **{"External id": external_id or 0, "cbid": 211, "correlation": self._correlation})
         return self._correlation
 
@@ -58,7 +60,8 @@ class TraceBuilder:
             "External id": external_id or 0, "queued": 0, "device": 0, "context": 1, "stream": STREAM,
             "correlation": correlation, "grid": [1, 1, 1], "block": [128, 1, 1],
         })
-        self.events.append({"ph": "s", "id": correlation, "pid": PID, "tid": TID, "ts": BASE + ts, "cat": "ac2g", "name": "ac2g"})
+        self.events.append({"ph": "s", "id": correlation, "pid": PID, "tid": TID, "ts": BASE + self._call_ts[correlation],
+                            "cat": "ac2g", "name": "ac2g"})
         self.events.append({"ph": "f", "id": correlation, "pid": 0, "tid": STREAM, "ts": BASE + ts, "cat": "ac2g", "name": "ac2g", "bp": "e"})
 
     def launch(self, op_name: str, op_ts: float, kernel_ts: float, kernel_dur: float, dims=(), types=(),
