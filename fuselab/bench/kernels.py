@@ -147,6 +147,49 @@ def _build_softmax(rows, cols, dtype, device) -> Workload:
     return Workload(f"{rows}×{cols}", (_randn(rows, cols, dtype, device),), (0,), 2 * n, 3 * n)
 
 
+def _build_cross_entropy(rows, vocab, dtype, device) -> Workload:
+    # The least traffic: forward reads the logits once; backward writes their gradient once.
+    n = rows * vocab * dtype.itemsize
+    args = (_randn(rows, vocab, dtype, device), torch.randint(0, vocab, (rows,), device=device))
+    return Workload(f"{rows}×{vocab}", args, (0,), n, n)
+
+
+def _cross_entropy_sizes(vocab: int = 128256) -> dict[str, Callable[[torch.dtype, torch.device], Workload]]:
+    rows = {"decode": 1, "batch32": 32, "prefill": 1024, "large": 8192}
+    return {size: functools.partial(_build_cross_entropy, n, vocab) for size, n in rows.items()}
+
+
+def _liger_cross_entropy() -> Callable | None:
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except ImportError:
+        return None
+
+    def loss(logits, target):
+        out = liger_cross_entropy(logits, target)
+        return out[0] if isinstance(out, tuple) else out  # some versions also return the z-loss
+
+    return loss
+
+
+def _build_rope(tokens, dtype, device, q_heads=32, kv_heads=8, head_dim=128, max_pos=8192) -> Workload:
+    """Llama-3-8B attention shapes; positions scattered over the cache, as in batched decoding."""
+    from fuselab.kernels import rope_cos_sin
+
+    q = torch.randn(tokens, q_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    positions = torch.randint(0, max_pos, (tokens,), device=device)
+    cos_sin = rope_cos_sin(max_pos, head_dim, base=500000.0, device=device)
+    # q and k read and written once, plus one position and one cos/sin row per token.
+    n = 2 * (q.numel() + k.numel()) * dtype.itemsize + tokens * (positions.itemsize + head_dim * cos_sin.itemsize)
+    return Workload(f"{tokens}×({q_heads}+{kv_heads})×{head_dim}", (q, k, positions, cos_sin), (0, 1), n, n)
+
+
+def _rope_sizes() -> dict[str, Callable[[torch.dtype, torch.device], Workload]]:
+    tokens = {"decode": 1, "batch32": 32, "prefill": 4096, "large": 16384}
+    return {size: functools.partial(_build_rope, n) for size, n in tokens.items()}
+
+
 def ops() -> list[OpBench]:
     """Every benchmarked op, in table order. Built on call so that `fuselab --help` does not import Triton."""
     from fuselab import kernels
@@ -181,6 +224,10 @@ def ops() -> list[OpBench]:
         OpBench(
             "softmax", row_sizes(4096, _build_softmax), kernels.softmax, reference.softmax,
             liger_loader("liger_kernel.ops.softmax", "LigerSoftmaxFunction", lambda f: f),
+        ),
+        OpBench("rope", _rope_sizes(), kernels.apply_rope, reference.apply_rope),
+        OpBench(
+            "cross_entropy", _cross_entropy_sizes(), kernels.cross_entropy, reference.cross_entropy, _liger_cross_entropy,
         ),
     ]
 
@@ -390,7 +437,7 @@ def _op_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", type=_op_list, default=None, metavar="OP1,OP2,...",
                         help="ops to time, comma-separated (default all: add, bias_act, rms_norm, rms_norm+residual, "
-                             "layer_norm, swiglu, silu_and_mul, softmax, and any added since)")
+                             "layer_norm, swiglu, silu_and_mul, softmax, rope, cross_entropy, and any added since)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--quick", action="store_true",
                         help="decode and prefill sizes only, shorter timing (a rough result in a minute or two)")
