@@ -1,0 +1,346 @@
+"""`fuselab bench attention`: fuselab's attention kernels side by side with torch's, in one run.
+
+Prefill: `flash_attention` against `F.scaled_dot_product_attention` pinned to each backend torch
+offers (flash, cuDNN, memory-efficient; a backend that refuses a shape is reported as such), in
+TFLOP/s of the forward and of forward+backward, for sequences of 1k/4k/16k and head dims 64/128,
+causal and not. Shapes follow the baseline table: batch · seq = 32k tokens, heads · head_dim = 2048.
+FLOPs are counted as 4·B·H·S²·D for the forward, halved when causal; the backward as 2.5× that.
+
+Decode: `decode_attention` over a paged cache against SDPA over the cache gathered by block table,
+in GB/s of the cache bytes a call must read (keys and values of every context token, plus q and
+out) and as a share of the copy bandwidth (`fuselab.device.ceilings()`).
+
+Every figure is the median of CUDA-event timings with the L2 cache flushed between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fuselab.device import ceilings, device_info, has_cuda
+from fuselab.timing import bench
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+PREFILL_TOKENS = 32768  # batch · seq of every prefill shape
+PREFILL_WIDTH = 2048  # heads · head_dim
+SDPA_BACKENDS = {"sdpa flash": "FLASH_ATTENTION", "sdpa cudnn": "CUDNN_ATTENTION", "sdpa efficient": "EFFICIENT_ATTENTION"}
+PREFILL_IMPLS = ("fuselab", *SDPA_BACKENDS)
+DECODE_IMPLS = ("fuselab", "torch sdpa (gathered)")
+DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, DECODE_BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B shapes
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seqs", type=_int_list, default=[1024, 4096, 16384], metavar="S1,S2,...",
+                        help="prefill sequence lengths (default 1024,4096,16384); batch = 32768 / seq")
+    parser.add_argument("--head-dims", type=_int_list, default=[64, 128], metavar="D1,D2",
+                        help="prefill head dims (default 64,128); heads = 2048 / head_dim")
+    parser.add_argument("--batches", type=_int_list, default=[1, 8, 64], metavar="B1,B2,...",
+                        help="decode batch sizes (default 1,8,64)")
+    parser.add_argument("--contexts", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                        metavar="C1,C2,...", help="decode context lengths (default 512 ... 32768)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--no-backward", action="store_true", help="time the prefill forward only")
+    parser.add_argument("--only", choices=("prefill", "decode"), default=None, help="run one half of the benchmark")
+    parser.add_argument("--quick", action="store_true",
+                        help="seq 4096 at head dim 128, decode batch 8 at contexts 4096 and 32768, shorter timing")
+    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                        help="folder for attention.json and attention.md (default benchmarks/results)")
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------------------------
+
+
+def prefill_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, backward: bool) -> float:
+    forward = 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    return forward * 3.5 if backward else forward
+
+
+def _sdpa(backend_name: str) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def call(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return call
+
+
+def prefill_impls() -> dict[str, Callable]:
+    from fuselab.kernels import flash_attention
+
+    impls = {"fuselab": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal)}
+    impls.update({name: _sdpa(backend) for name, backend in SDPA_BACKENDS.items()})
+    return impls
+
+
+def _forward_backward(fn: Callable, q, k, v, causal: bool) -> Callable[[], object]:
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    return lambda: torch.autograd.grad(fn(*leaves, causal), leaves, dout)
+
+
+def measure_prefill(args: argparse.Namespace, timing: dict) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    impls = prefill_impls()
+    seqs, head_dims = ([4096], [128]) if args.quick else (args.seqs, args.head_dims)
+    records = []
+    for head_dim in head_dims:
+        for seq in seqs:
+            batch, heads = max(1, PREFILL_TOKENS // seq), max(1, PREFILL_WIDTH // head_dim)
+            q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+            for causal in (True, False):
+                expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                for backward in (False,) if args.no_backward else (False, True):
+                    flops = prefill_flops(batch, heads, seq, head_dim, causal, backward)
+                    for name, fn in impls.items():
+                        record = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
+                                  "pass": "forward+backward" if backward else "forward", "impl": name,
+                                  "median_us": None, "tflops": None, "max_abs_diff": None, "error": None}
+                        try:
+                            step = _forward_backward(fn, q, k, v, causal) if backward else (lambda fn=fn: fn(q, k, v, causal))
+                            if not backward:
+                                record["max_abs_diff"] = (step().float() - expected.float()).abs().max().item()
+                            us = bench(step, **timing).median_us
+                            record.update(median_us=us, tflops=flops / us / 1e6)
+                        except Exception as err:  # noqa: BLE001 - a backend that refuses a shape is a result
+                            record["error"] = _error_text(err)
+                        records.append(record)
+                        _progress(f"prefill B{batch} H{heads} S{seq} D{head_dim} causal={causal} "
+                                  f"{record['pass']} {name}", record)
+            del q, k, v
+            torch.cuda.empty_cache()
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------
+
+
+def decode_bytes(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """What a decode step must move at the least: every cached key and value once, q in, out back."""
+    return (2 * batch * context * kv_heads * head_dim + 2 * batch * heads * head_dim) * itemsize
+
+
+def paged_workload(batch: int, context: int, dtype: torch.dtype) -> dict:
+    """A cache holding `batch` sequences of `context` tokens in shuffled blocks, and a query each."""
+    blocks_per_seq = -(-context // DECODE_BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, DECODE_BLOCK_SIZE, DECODE_KV_HEADS, DECODE_HEAD_DIM)
+    return {
+        "q": torch.randn(batch, DECODE_HEADS, DECODE_HEAD_DIM, device="cuda", dtype=dtype),
+        "k_cache": torch.randn(shape, device="cuda", dtype=dtype),
+        "v_cache": torch.randn(shape, device="cuda", dtype=dtype),
+        "block_tables": torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).to(torch.int32),
+        "seq_lens": torch.full((batch,), context, device="cuda", dtype=torch.int32),
+    }
+
+
+def torch_decode(q, k_cache, v_cache, block_tables, seq_lens) -> torch.Tensor:
+    """What one writes without a paged kernel: gather each sequence's blocks, then SDPA (all contexts equal here)."""
+    batch, context = q.shape[0], k_cache.shape[1] * block_tables.shape[1]
+    k = k_cache[block_tables].view(batch, context, *k_cache.shape[2:]).transpose(1, 2)
+    v = v_cache[block_tables].view(batch, context, *v_cache.shape[2:]).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> list[dict]:
+    from fuselab.kernels import decode_attention
+
+    dtype = DTYPES[args.dtype]
+    batches, contexts = ([8], [4096, 32768]) if args.quick else (args.batches, args.contexts)
+    impls = {"fuselab": decode_attention, "torch sdpa (gathered)": torch_decode}
+    records = []
+    for batch in batches:
+        for context in contexts:
+            w = paged_workload(batch, context, dtype)
+            nbytes = decode_bytes(batch, context, DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, dtype.itemsize)
+            expected = torch_decode(**w)
+            for name, fn in impls.items():
+                record = {"batch": batch, "context": context, "impl": name, "bytes": nbytes, "median_us": None,
+                          "gbs": None, "pct_of_copy": None, "max_abs_diff": None, "error": None}
+                try:
+                    record["max_abs_diff"] = (fn(**w).float() - expected.float()).abs().max().item()
+                    us = bench(lambda fn=fn: fn(**w), **timing).median_us
+                    gbs = nbytes / us / 1e3
+                    record.update(median_us=us, gbs=gbs, pct_of_copy=100 * gbs / copy_gbs)
+                except Exception as err:  # noqa: BLE001 - e.g. the gathered copy running out of memory
+                    record["error"] = _error_text(err)
+                records.append(record)
+                _progress(f"decode batch {batch} context {context} {name}", record)
+            del w, expected
+            torch.cuda.empty_cache()
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# Running and reporting
+# --------------------------------------------------------------------------------------------
+
+
+def _error_text(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+
+
+def _progress(label: str, record: dict) -> None:
+    print(f"  {label}: " + (record["error"] or f"{record['median_us']:.1f} us"), file=sys.stderr)
+
+
+def _command() -> str:
+    if Path(sys.argv[0]).name in ("fuselab", "__main__.py"):
+        return shlex.join(["fuselab", *sys.argv[1:]])
+    return shlex.join(sys.argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    ceiling = ceilings()
+    timing = dict(warmup_ms=5.0, rep_ms=20.0) if args.quick else dict(warmup_ms=25.0, rep_ms=100.0)
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": _command(),
+        "device": device_info().to_dict(),
+        "ceilings": {"copy_bandwidth_gbs": ceiling.copy_bandwidth_gbs, "source": ceiling.source},
+        "config": {"dtype": args.dtype, "quick": args.quick,
+                   "timing": f"median of CUDA-event timings, L2 flushed between calls, {timing['rep_ms']:.0f} ms per figure",
+                   "decode": f"{DECODE_HEADS} heads / {DECODE_KV_HEADS} kv heads, head dim {DECODE_HEAD_DIM}, "
+                             f"block size {DECODE_BLOCK_SIZE}, shuffled block tables"},
+        "prefill": [] if args.only == "decode" else measure_prefill(args, timing),
+        "decode": [] if args.only == "prefill" else measure_decode(args, timing, ceiling.copy_bandwidth_gbs),
+    }
+
+
+PREFILL_COLUMNS = ("shape", "causal", "pass", *PREFILL_IMPLS, "vs flash", "vs cuDNN")
+DECODE_COLUMNS = ("batch", "context", "MB", *DECODE_IMPLS, "speed-up")
+
+
+def _ratio(ours: dict | None, other: dict | None, key: str) -> str:
+    if not ours or not other or ours[key] is None or other[key] is None:
+        return "–"
+    return f"{ours[key] / other[key]:.2f}×"
+
+
+def prefill_rows(result: dict) -> list[list[str]]:
+    """TFLOP/s of each implementation; ratios are fuselab's throughput over flash's and cuDNN's."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in result["prefill"]:
+        key = (f"B{r['batch']} H{r['heads']} S{r['seq']} D{r['head_dim']}", "yes" if r["causal"] else "no", r["pass"])
+        groups.setdefault(key, {})[r["impl"]] = r
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "–"
+        return "unsupported" if r["error"] else f"{r['tflops']:.0f}"
+
+    return [[*key, *(cell(impls.get(i)) for i in PREFILL_IMPLS),
+             _ratio(impls.get("fuselab"), impls.get("sdpa flash"), "tflops"),
+             _ratio(impls.get("fuselab"), impls.get("sdpa cudnn"), "tflops")]
+            for key, impls in groups.items()]
+
+
+def decode_rows(result: dict) -> list[list[str]]:
+    """µs, GB/s and % of copy bandwidth per implementation; speed-up is torch's time over fuselab's."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in result["decode"]:
+        groups.setdefault((r["batch"], r["context"], r["bytes"]), {})[r["impl"]] = r
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "–"
+        return "error" if r["error"] else f"{r['median_us']:.1f} µs, {r['gbs']:.0f} GB/s ({r['pct_of_copy']:.0f}%)"
+
+    rows = []
+    for (batch, context, nbytes), impls in groups.items():
+        ours, torch_ref = impls.get("fuselab"), impls.get(DECODE_IMPLS[1])
+        speedup = _ratio(torch_ref, ours, "median_us")
+        rows.append([str(batch), str(context), f"{nbytes / 1e6:.1f}", *(cell(impls.get(i)) for i in DECODE_IMPLS), speedup])
+    return rows
+
+
+def _header_lines(result: dict) -> list[str]:
+    d, c = result["device"], result["config"]
+    return [
+        f"date: {result['date']}",
+        f"GPU: {d['name']} (sm {d['compute_capability']}), torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}",
+        f"command: `{result['command']}`",
+        f"dtype {c['dtype']}; {c['timing']}",
+        "prefill: TFLOP/s, FLOPs 4·B·H·S²·D per forward (halved if causal), backward 2.5× the forward",
+        f"decode: {c['decode']}; copy bandwidth {result['ceilings']['copy_bandwidth_gbs']:.0f} GB/s "
+        f"({result['ceilings']['source']})",
+    ]
+
+
+def _markdown_table(columns, rows) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = ["# fuselab bench attention", "", *(f"- {line}" for line in _header_lines(result))]
+    if result["prefill"]:
+        lines += ["", "## Prefill, TFLOP/s (ratios: fuselab's throughput over the backend's)", ""]
+        lines += _markdown_table(PREFILL_COLUMNS, prefill_rows(result))
+    if result["decode"]:
+        lines += ["", "## Decode over a paged cache (speed-up: torch's time over fuselab's)", ""]
+        lines += _markdown_table(DECODE_COLUMNS, decode_rows(result))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def print_tables(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.width = max(console.width, 170)  # a pipe reports 80 columns, which would cut the cells
+    for line in _header_lines(result):
+        console.print(line, markup=False)
+    for title, columns, rows in (
+        ("prefill attention, TFLOP/s", PREFILL_COLUMNS, prefill_rows(result) if result["prefill"] else []),
+        ("decode attention over a paged cache", DECODE_COLUMNS, decode_rows(result) if result["decode"] else []),
+    ):
+        if not rows:
+            continue
+        table = Table(title=title)
+        for col in columns:
+            table.add_column(col, justify="left" if col in ("shape", "pass") else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not has_cuda():
+        print("fuselab bench attention needs a CUDA GPU: it times Triton kernels against torch's attention "
+              "backends. Nothing was measured.")
+        return 0
+    result = measure(args)
+    print_tables(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result, out / "attention.md")
+    print(f"wrote {out / 'attention.json'}, {out / 'attention.md'}")
+    return 0
