@@ -21,6 +21,11 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
         "us, GB/s and % of copy bandwidth at decode/batch/prefill/large sizes, forward and forward+backward, "
         "and the host cost of one call",
     ),
+    "optim": (
+        "fuselab.bench.optim",
+        "one AdamW step: fuselab's FusedAdamW vs torch.optim.AdamW foreach and fused, on 64 x 4096^2 parameters "
+        "(bandwidth-bound) and 256 small ones (launch-bound): us per step, % of copy bandwidth, host us per step",
+    ),
 }
 
 
