@@ -181,3 +181,17 @@ def test_to_dict_has_the_promised_keys(tmp_path):
     assert set(out["breakdown"]) == {"compute", "memory", "launch_gaps", "sync_stalls", "other_idle"}
     assert sum(p["share"] for p in out["breakdown"].values()) == pytest.approx(1.0)
     assert out["syncs"][0]["source"] == "train.py:42 (loop)"
+
+
+def test_gap_is_the_hosts_when_the_launch_was_still_in_progress(tmp_path):
+    # Kernel A runs 10-12. B's launch call runs 11-15 (begun before A ended, still in progress when
+    # the GPU went idle): the 12-18 gap waited for the host. C was queued at 2-3, long before B
+    # ended at 20, so the 20-21 gap before it is not the host's.
+    b = dt.TraceBuilder()
+    b.step(0, 0.0, 30.0)
+    for name, call_ts, kernel_ts in (("aten::neg", 0.0, 10.0), ("aten::exp", 11.0, 18.0), ("aten::abs", 2.0, 21.0)):
+        ext = b.op(name, call_ts, 4.0, [[4]], ["float"])
+        b.gpu(f"{name}_kernel", kernel_ts, 2.0, b.runtime("cudaLaunchKernel", call_ts, 4.0 if name == "aten::exp" else 1.0, ext), ext)
+    step = diagnose_built(b, tmp_path).analysis.steps[0]
+    assert step.launch_gap_us == pytest.approx(10.0 + 6.0 + 7.0)  # before A (0-10), A to B, after C (23-30)
+    assert step.other_idle_us == pytest.approx(1.0)
