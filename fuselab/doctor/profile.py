@@ -78,19 +78,27 @@ def _profiler() -> profile:
     return profile(activities=activities, record_shapes=True, with_stack=True)
 
 
+def _check_callable(fn: Callable[[], object]) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+
+
+def _check_counts(steps: int, warmup: int) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+
+
 def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int = 5, warmup: int = 2,
                  on_step: Callable[[int, int], None] | None = None) -> Path:
     """Run fn `warmup` times unprofiled, then `steps` times under the profiler, and write the trace to path.
 
-    A path ending in .gz is written gzipped.
+    A path ending in .gz is written gzipped. Without CUDA only the host side is recorded.
     """
     global _session
-    if not callable(fn):
-        raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    _check_callable(fn)
+    _check_counts(steps, warmup)
     for _ in range(warmup):
         fn()
     if has_cuda():
@@ -142,8 +150,8 @@ def diagnose(
     `ceilings` is a `Ceilings`, a `fuselab probe` JSON path, or None for this machine's cached probe
     (else the stated table).
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
+    _check_callable(fn)
+    _check_counts(steps, warmup)
     if batch_scale is not None and not callable(batch_scale):
         raise TypeError(f"batch_scale must be a callable k -> callable, got {type(batch_scale).__name__}")
     roofline = _resolve_ceilings(ceilings)
@@ -175,6 +183,7 @@ def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str |
     path = Path(script)
     if not path.is_file():
         raise ValueError(f"script: no such file {path}")
+    _check_counts(steps, warmup)
     prof = _profiler()
     _session = _Session(prof, max_steps=warmup + steps)
     saved_argv, saved_path = sys.argv, list(sys.path)
