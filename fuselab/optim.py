@@ -30,7 +30,7 @@ import triton.language as tl
 
 from fuselab.device import triton_interpreted
 
-_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements one program updates. 4096 keeps 16 fp32 values per thread per stream at 8 warps: five
 # streams in flight per element is enough to cover HBM latency without spilling.
 BLOCK = 4096
@@ -76,23 +76,27 @@ def _adamw_update(
 
 @triton.jit
 def _multi_tensor_adamw_kernel(
-    tiles_ptr, addresses_ptr, grad_addresses_ptr,
+    tiles_ptr, addresses_ptr, grad_addresses_ptr, param_dtype_witness,
     beta1, beta2, eps, decay_factor, step_size, bias_correction2_sqrt,
-    PARAM_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, MAXIMIZE: tl.constexpr,
+    HAS_MASTER: tl.constexpr, MAXIMIZE: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, COLUMNS: tl.constexpr,
 ):
+    # param_dtype_witness is any parameter of the bucket: only its pointer type is used, to type
+    # the addresses read from the table.
     tile = tl.program_id(0)
     tensor = tl.load(tiles_ptr + 2 * tile)
-    start = tl.load(tiles_ptr + 2 * tile + 1)
+    # The tile's index within its tensor, times BLOCK: the offset is then known to be a multiple of
+    # BLOCK, which the vectorizer needs.
+    start = tl.load(tiles_ptr + 2 * tile + 1) * BLOCK
     grad_address = tl.load(grad_addresses_ptr + tensor)
     if grad_address != 0:  # 0: this parameter has no gradient this step
         row = addresses_ptr + tensor * COLUMNS
-        param_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+        param_ptr = tl.load(row + 0).to(param_dtype_witness.dtype)
         exp_avg_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
         exp_avg_sq_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         master_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
         numel = tl.load(row + 4)
-        grad_ptr = grad_address.to(tl.pointer_type(PARAM_DTYPE))
+        grad_ptr = grad_address.to(param_dtype_witness.dtype)
         if ALIGNED:
             # Addresses read from memory carry no alignment facts; without these, no vector loads.
             param_ptr = tl.multiple_of(param_ptr, 16)
@@ -120,7 +124,7 @@ class _Bucket:
     """The parameters of one group that share a device and dtype, and their launch tables."""
 
     params: list[torch.Tensor]
-    tiles: torch.Tensor  # [n_tiles, 2] int64: (tensor index, first element)
+    tiles: torch.Tensor  # [n_tiles, 2] int64: (tensor index, tile index within the tensor)
     addresses: torch.Tensor  # [n_tensors, _COLUMNS] int64
     grad_addresses: torch.Tensor  # [n_tensors] int64, refreshed when gradients move
     grad_address_list: list[int]
@@ -226,10 +230,10 @@ class FusedAdamW(torch.optim.Optimizer):
                 bucket.grad_addresses.copy_(_address_table(grads, bucket.grad_addresses.device), non_blocking=True)
                 bucket.grad_address_list = grads
             _multi_tensor_adamw_kernel[(bucket.tiles.shape[0],)](
-                bucket.tiles, bucket.addresses, bucket.grad_addresses,
+                bucket.tiles, bucket.addresses, bucket.grad_addresses, bucket.params[0],
                 beta1, beta2, group["eps"], 1.0 - lr * group["weight_decay"],
                 lr / bias_correction1, math.sqrt(bias_correction2),
-                PARAM_DTYPE=_TRITON_DTYPES[bucket.params[0].dtype], HAS_MASTER=bucket.has_master,
+                HAS_MASTER=bucket.has_master,
                 MAXIMIZE=bool(group["maximize"]), ALIGNED=bucket.aligned, BLOCK=BLOCK, COLUMNS=_COLUMNS,
                 num_warps=_NUM_WARPS,
             )
@@ -238,7 +242,7 @@ class FusedAdamW(torch.optim.Optimizer):
         kernel_device_type = "cpu" if triton_interpreted() else "cuda"
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for i, p in enumerate(params):
-            if p.dtype not in _TRITON_DTYPES:
+            if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"FusedAdamW: parameter {i} must be float32, bfloat16 or float16, got {p.dtype}")
             if p.device.type != kernel_device_type:
                 raise ValueError(f"FusedAdamW: parameter {i} must be a {kernel_device_type} tensor, got one on {p.device}")
@@ -268,7 +272,7 @@ class FusedAdamW(torch.optim.Optimizer):
             state = self._state_of(p, needs_master)
             master_address = state["master"].data_ptr() if needs_master else 0
             rows.append([p.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), master_address, p.numel()])
-            tiles.extend([index, start] for start in range(0, p.numel(), BLOCK))
+            tiles.extend([index, tile] for tile in range(triton.cdiv(p.numel(), BLOCK)))
         aligned = all(address % 16 == 0 for row in rows for address in row[:_NUMEL])
         return _Bucket(
             params=params,
