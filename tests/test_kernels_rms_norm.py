@@ -127,7 +127,7 @@ def test_bad_inputs_raise_naming_the_argument(device):
     with pytest.raises(ValueError, match="x must have at least one dimension"):
         rms_norm(torch.tensor(1.0, device=device), torch.ones(1, device=device))
     if device.type == "cuda":
-        with pytest.raises(ValueError, match="weight is on"):
+        with pytest.raises(ValueError, match="weight must be a cuda tensor"):
             rms_norm(x, w.cpu())
 
 
