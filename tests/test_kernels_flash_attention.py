@@ -188,6 +188,8 @@ def test_bad_inputs_raise_naming_the_argument(device):
         flash_attention(q[0], k[0], v[0])
     with pytest.raises(ValueError, match="causal attention needs as many keys"):
         flash_attention(q, k[:, :, :5], v[:, :, :5], causal=True)
+    with pytest.raises(ValueError, match="scale must be a positive"):
+        flash_attention(q, k, v, scale=-1.0)
     with pytest.raises(ValueError, match="k has 2 batch"):
         flash_attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
     elsewhere = k.to("meta") if device.type == "cpu" else k.cpu()

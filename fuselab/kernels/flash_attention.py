@@ -61,14 +61,21 @@ def _attend_keys(
         keys = start_n + offs_n
         key_ok = keys < seq_k
         kT = load_tile(kT_ptrs + start_n * stride_ks, key_ok[None, :], d_row, CHECK_KEYS, PAD_D)
-        qk = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
-        if STAGE == _DIAGONAL:
-            qk = tl.where((offs_m[:, None] >= keys[None, :]) & key_ok[None, :], qk, float("-inf"))
-        elif STAGE == _TAIL:
-            qk = tl.where(key_ok[None, :], qk, float("-inf"))
+        qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
         # Every row sees at least one key in the first block it processes, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
+        if STAGE == _FULL:
+            # Scale and shift in one multiply-add per score: the softmax, not the dots, bounds this loop.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        else:
+            if STAGE == _DIAGONAL:
+                keep = (offs_m[:, None] >= keys[None, :]) & key_ok[None, :]
+            else:
+                keep = key_ok[None, :]
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_tile(v_ptrs + start_n * stride_vs, key_ok[:, None], d_col, CHECK_KEYS, PAD_D)
@@ -243,8 +250,9 @@ def _check_qkv(q: object, k: object, v: object, ndim: int, layout: str) -> None:
 def _resolve_scale(scale: float | None, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    # Positive, so that the row maximum of the scaled scores is the scaled row maximum.
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     return float(scale)
 
 
@@ -290,7 +298,7 @@ def flash_attention_varlen(
 
     Sequence i holds rows cu_seqlens[i] to cu_seqlens[i+1] (int32, starting at 0, on q's device);
     max_seqlen must be at least the longest sequence. It is a host int so that nothing here waits
-    for the device. Differentiable.
+    for the device. Rows past cu_seqlens[-1] are not written. Differentiable.
     """
     _check_qkv(q, k, v, 3, "[tokens, heads, head_dim]")
     if not isinstance(cu_seqlens, torch.Tensor):

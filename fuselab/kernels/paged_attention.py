@@ -331,8 +331,8 @@ def decode_attention(
         raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if batch == 0:
         return torch.empty_like(q)
     if q.stride(2) != 1:
