@@ -66,6 +66,9 @@ def _fake_result() -> dict:
         "ceilings": {"copy_bandwidth_gbs": 4230.0, "source": "stated"},
         "config": {"dtype": "bfloat16", "timing": "median", "decode": "32 heads"},
         "prefill": prefill, "decode": decode,
+        "sweep": [{"kernel": "decode", "head_dim": 128, "causal": None,
+                   "current": {"block_n": 64, "num_warps": 4, "num_stages": 3},
+                   "best": [{"config": {"block_n": 128, "num_warps": 8, "num_stages": 2}, "median_us": 30.0}]}],
     }
 
 
@@ -80,3 +83,9 @@ def test_tables_show_each_backend_and_the_ratios(tmp_path: Path):
     bench_attention.write_markdown(_fake_result(), tmp_path / "attention.md")
     text = (tmp_path / "attention.md").read_text()
     assert "GPU: GPU (sm 9.0), torch 2.11, triton 3.6" in text and "| B8 H16 S4096 D128 | yes | forward | 550 |" in text
+    assert "decode d=128: current (64, 4, 3), fastest (128, 8, 2) 30.0 µs" in text
+
+
+def test_sweep_candidates_fit_the_causal_diagonal():
+    assert all(c.block_m % c.block_n == 0 for c in bench_attention.forward_candidates())
+    assert len(bench_attention.decode_candidates()) > 1

@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", choices=("prefill", "decode"), default=None, help="run one half of the benchmark")
     parser.add_argument("--quick", action="store_true",
                         help="seq 4096 at head dim 128, decode batch 8 at contexts 4096 and 32768, shorter timing")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time candidate launch configs of the prefill forward (seq 4096) and decode "
+                             "(batch 8, context 8192) kernels per head dim, and report the fastest: the figures "
+                             "behind FORWARD_CONFIGS and DECODE_CONFIGS")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
                         help="folder for attention.json and attention.md (default benchmarks/results)")
 
@@ -198,6 +202,65 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
 
 
 # --------------------------------------------------------------------------------------------
+# Launch-config sweep
+# --------------------------------------------------------------------------------------------
+
+
+def forward_candidates() -> list:
+    from fuselab.kernels._flash_common import ForwardConfig
+
+    return [ForwardConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+            if m % n == 0]
+
+
+def decode_candidates() -> list:
+    from fuselab.kernels.paged_attention import DecodeConfig
+
+    return [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def _time_configs(table: dict, key: int, candidates: list, step: Callable[[], object], timing: dict) -> list[dict]:
+    """Time `step` with each candidate in table[key]; a config that does not compile (shared memory) is skipped."""
+    original = table[key]
+    timed = []
+    try:
+        for cfg in candidates:
+            table[key] = cfg
+            try:
+                timed.append({"config": cfg._asdict(), "median_us": bench(step, **timing).median_us})
+            except Exception as err:  # noqa: BLE001 - e.g. out of shared memory at this block size
+                _progress(f"sweep {cfg}", {"error": _error_text(err)})
+    finally:
+        table[key] = original
+    return sorted(timed, key=lambda t: t["median_us"])
+
+
+def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
+    from fuselab.kernels import _flash_common, decode_attention, flash_attention, paged_attention
+
+    dtype, seq, out = DTYPES[args.dtype], 4096, []
+    for head_dim in args.head_dims:
+        batch, heads = PREFILL_TOKENS // seq, PREFILL_WIDTH // head_dim
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        for causal in (True, False):
+            timed = _time_configs(_flash_common.FORWARD_CONFIGS, head_dim, forward_candidates(),
+                                  lambda: flash_attention(q, k, v, causal=causal), timing)
+            flops = prefill_flops(batch, heads, seq, head_dim, causal, backward=False)
+            out.append({"kernel": "flash forward", "head_dim": head_dim, "causal": causal,
+                        "current": _flash_common.FORWARD_CONFIGS[head_dim]._asdict(),
+                        "best": [{**t, "tflops": flops / t["median_us"] / 1e6} for t in timed[:3]]})
+        del q, k, v
+        w = paged_workload(8, 8192, dtype) if head_dim == DECODE_HEAD_DIM else None
+        if w is not None:
+            timed = _time_configs(paged_attention.DECODE_CONFIGS, head_dim, decode_candidates(),
+                                  lambda: decode_attention(**w), timing)
+            out.append({"kernel": "decode", "head_dim": head_dim, "causal": None,
+                        "current": paged_attention.DECODE_CONFIGS[head_dim]._asdict(), "best": timed[:3]})
+        torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # Running and reporting
 # --------------------------------------------------------------------------------------------
 
@@ -231,6 +294,7 @@ def measure(args: argparse.Namespace) -> dict:
                              f"block size {DECODE_BLOCK_SIZE}, shuffled block tables"},
         "prefill": [] if args.only == "decode" else measure_prefill(args, timing),
         "decode": [] if args.only == "prefill" else measure_decode(args, timing, ceiling.copy_bandwidth_gbs),
+        "sweep": sweep_configs(args, timing) if args.sweep else [],
     }
 
 
@@ -281,6 +345,16 @@ def decode_rows(result: dict) -> list[list[str]]:
     return rows
 
 
+def sweep_lines(result: dict) -> list[str]:
+    lines = []
+    for entry in result.get("sweep", []):
+        causal = "" if entry["causal"] is None else f" causal={entry['causal']}"
+        ranked = "; ".join(f"{tuple(t['config'].values())} {t['median_us']:.1f} µs" for t in entry["best"])
+        lines.append(f"{entry['kernel']} d={entry['head_dim']}{causal}: current {tuple(entry['current'].values())}, "
+                     f"fastest {ranked or 'none compiled'}")
+    return lines
+
+
 def _header_lines(result: dict) -> list[str]:
     d, c = result["device"], result["config"]
     return [
@@ -306,6 +380,9 @@ def write_markdown(result: dict, path: Path) -> None:
     if result["decode"]:
         lines += ["", "## Decode over a paged cache (speed-up: torch's time over fuselab's)", ""]
         lines += _markdown_table(DECODE_COLUMNS, decode_rows(result))
+    if result.get("sweep"):
+        lines += ["", "## Launch-config sweep (block sizes, warps, stages; fastest first)", ""]
+        lines += [f"- {line}" for line in sweep_lines(result)]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -329,6 +406,8 @@ def print_tables(result: dict) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
+    for line in sweep_lines(result):
+        console.print(line, markup=False)
 
 
 def run(args: argparse.Namespace) -> int:
