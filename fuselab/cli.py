@@ -26,6 +26,11 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
         "one AdamW step: fuselab's FusedAdamW vs torch.optim.AdamW foreach and fused, on 64 x 4096^2 parameters "
         "(bandwidth-bound) and 256 small ones (launch-bound): us per step, % of copy bandwidth, host us per step",
     ),
+    "attention": (
+        "fuselab.bench.attention",
+        "flash attention prefill TFLOP/s vs torch SDPA backends (flash, cuDNN, efficient), and paged decode "
+        "attention GB/s vs SDPA over the gathered cache",
+    ),
 }
 
 
@@ -57,7 +62,8 @@ def _add_bench(sub) -> None:
     )
     subjects = p.add_subparsers(dest="subject", metavar="SUBJECT", required=True)
     for name, (module, help_text) in BENCH_SUBJECTS.items():
-        sp = subjects.add_parser(name, help=help_text, description=help_text)
+        # argparse %-formats help strings (not descriptions): a literal % must be doubled there.
+        sp = subjects.add_parser(name, help=help_text.replace("%", "%%"), description=help_text)
         importlib.import_module(module).add_arguments(sp)
 
 

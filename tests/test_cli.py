@@ -39,3 +39,17 @@ def test_every_subcommand_has_help():
 def test_console_entry_point_runs_as_module():
     proc = subprocess.run([sys.executable, "-m", "fuselab", "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and "fuselab" in proc.stdout
+
+
+def test_bench_help_lists_every_subject(capsys):
+    from fuselab.cli import BENCH_SUBJECTS
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for subject in BENCH_SUBJECTS:
+        assert subject in out
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", subject, "--help"])
+        assert exc.value.code == 0
