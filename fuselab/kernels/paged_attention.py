@@ -212,6 +212,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
+    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
     _decode_merge_kernel[(batch * heads,)](
         part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
