@@ -98,12 +98,14 @@ def test_record_trace_marks_steps_and_boundaries(tmp_path):
     x = torch.randn(16, 16)
     calls = []
     path = record_trace(lambda: calls.append((x @ x).sum()), tmp_path / "t.json.gz", steps=3, warmup=2)
-    assert len(calls) == 5
+    assert len(calls) == 6  # 2 warm-up, 1 profiled outside the steps, 3 steps
     trace = load_trace(path)
     assert [s.name for s in trace.steps] == ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
     assert sum(a.name == "fuselab.doctor.step_boundary" for a in trace.annotations) == 3
     mms = [op for op in trace.cpu_ops if op.name == "aten::mm"]
-    assert len(mms) == 3 and mms[0].input_dims == [[16, 16], [16, 16]]
+    assert len(mms) == 4 and mms[0].input_dims == [[16, 16], [16, 16]]
+    in_steps = [op for op in mms if any(s.ts <= op.ts <= s.end for s in trace.steps)]
+    assert len(in_steps) == 3
 
 
 def test_step_outside_a_profiled_script_does_nothing():

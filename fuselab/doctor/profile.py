@@ -92,7 +92,8 @@ def _check_counts(steps: int, warmup: int) -> None:
 
 def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int = 5, warmup: int = 2,
                  on_step: Callable[[int, int], None] | None = None) -> Path:
-    """Run fn `warmup` times unprofiled, then `steps` times under the profiler, and write the trace to path.
+    """Run fn `warmup` times unprofiled, then once more plus `steps` marked steps under the profiler, and
+    write the trace to path.
 
     A path ending in .gz is written gzipped. Without CUDA only the host side is recorded.
     """
@@ -106,6 +107,11 @@ def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int =
     prof = _profiler()
     session = _Session(prof, max_steps=None)
     with prof:
+        # One call outside any step absorbs the profiler's own start-up cost (the first launches
+        # under a fresh profiler are slower); the analysis ignores work outside steps.
+        fn()
+        if has_cuda():
+            torch.cuda.synchronize()
         _session = session
         try:
             for i in range(steps):
