@@ -71,6 +71,8 @@ def breakdown_svg(diagnosis: Diagnosis) -> str:
     parts, cursor = [], LABEL
     usable = WIDTH - LABEL - 10
     for part, v in diagnosis.breakdown.items():
+        if v["share"] <= 0:
+            continue
         w = usable * v["share"]
         parts.append(_rect(cursor, cursor + w, 4, 30, PART_COLORS[part], f"{PART_NAMES[part]}: {v['us']:.1f} us ({100 * v['share']:.1f}%)"))
         cursor += w
