@@ -195,3 +195,14 @@ def test_gap_is_the_hosts_when_the_launch_was_still_in_progress(tmp_path):
     step = diagnose_built(b, tmp_path).analysis.steps[0]
     assert step.launch_gap_us == pytest.approx(10.0 + 6.0 + 7.0)  # before A (0-10), A to B, after C (23-30)
     assert step.other_idle_us == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"skip_steps": -1}, ValueError, "skip_steps must be"),
+    ({"ceilings": {"bf16_tflops": 1}}, TypeError, "ceilings must be a fuselab.device.Ceilings"),
+    ({"ceilings": STATED_CEILINGS, "probe": "probe.json"}, ValueError, "either ceilings or probe"),
+])
+def test_analyze_trace_names_the_bad_argument(tmp_path, kwargs, error, message):
+    path = dt.memory_bound(steps=1).write(tmp_path / "t.json")
+    with pytest.raises(error, match=message):
+        analyze_trace(path, **kwargs)

@@ -154,6 +154,8 @@ def analyze(
     on_stage: Callable[[str], None] | None = None,
 ) -> Analysis:
     """Per-step statistics, syncs, roofline and fusion candidates of a loaded trace."""
+    if not isinstance(skip_steps, int) or skip_steps < 0:
+        raise ValueError(f"skip_steps must be an int >= 0, got {skip_steps!r}")
     if not trace.gpu:
         raise ValueError(
             f"{trace.path}: the trace has no GPU events (kernels, copies): it was recorded without CUDA activity "
@@ -208,6 +210,8 @@ def analyze_file(
     """Load a trace file and analyze it against the given ceilings, a probe result, or this machine's."""
     if ceilings is not None and probe is not None:
         raise ValueError("give either ceilings or probe, not both")
+    if ceilings is not None and not isinstance(ceilings, Ceilings):
+        raise TypeError(f"ceilings must be a fuselab.device.Ceilings, got {type(ceilings).__name__}")
     (on_stage or (lambda stage: None))("reading trace")
     trace = load_trace(path)
     return analyze(trace, ceilings or measured_ceilings(probe), skip_steps=skip_steps, on_stage=on_stage)
