@@ -247,7 +247,10 @@ def forward_backward_step(fn: Callable, workload: Workload) -> Callable[[], obje
     ]
     inputs = [leaves[i] for i in workload.grad_args]
     first = fn(*leaves)
-    grads = tuple(torch.randn_like(o) for o in (first if isinstance(first, tuple) else (first,)))
+    # A scalar (a loss) gets the gradient 1, as loss.backward() gives it; other outputs random ones.
+    grads = tuple(
+        torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in (first if isinstance(first, tuple) else (first,))
+    )
 
     def step():
         out = fn(*leaves)
