@@ -2,9 +2,11 @@
 
 A step is a "ProfilerStep#N" range on the host (the whole trace when there is none). GPU work
 belongs to the step in which the host queued it. The step lasts from its host start to whichever
-ends later, the host range or its last GPU work, and every microsecond of it is either GPU busy
-time (split into compute- and memory-bound kernel time by the roofline) or an idle gap, split
-by cause:
+ends later, the workload's host work or its last GPU work; the workload's host work ends where the
+doctor's step-boundary wait begins, since what that wait costs once the GPU is done (closing the
+ranges) is the profiler's. Idle time during which the profiler itself held the host up (its
+"overhead" events) is left out of the step too. Every other microsecond is either GPU busy time
+(split into compute- and memory-bound kernel time by the roofline) or an idle gap, split by cause:
 
 - sync stall: a host-blocking call returned during the gap (the queue had been drained and the
   host was waiting), or the gap precedes the copy a sync is waiting for;
@@ -25,7 +27,7 @@ from typing import Callable
 from fuselab.device import Ceilings, ceilings as measured_ceilings
 from fuselab.doctor.fusion import FusionCandidate, fusion_candidates, kernel_label
 from fuselab.doctor.roofline import KernelCost, kernel_costs
-from fuselab.doctor.syncs import Sync, find_syncs
+from fuselab.doctor.syncs import STEP_BOUNDARY, Sync, find_syncs
 from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
 
 
@@ -34,8 +36,9 @@ class StepStats:
     name: str
     start: float
     end: float
-    host_us: float
-    wall_us: float
+    host_us: float  # the workload's host time, up to the step-boundary wait, less profiler overhead
+    wall_us: float  # host start to the later of host end and GPU end, less profiler overhead
+    profiler_us: float  # GPU idle time left out because the profiler held up the host
     gpu_busy_us: float
     gpu_busy_pct: float
     kernels: int
@@ -63,7 +66,7 @@ class Analysis:
     steps: list[StepStats]
     step_events: list[list[int]]  # per step, indices into trace.gpu, in start order
     syncs: list[list[Sync]]  # per step
-    gaps: list[list[tuple[float, float, str]]]  # per step: (start, end, "launch" | "sync" | "other")
+    gaps: list[list[tuple[float, float, str]]]  # per step: (start, end, "launch" | "sync" | "other" | "profiler")
     costs: list[KernelCost]  # aligned with trace.gpu
     fusion: list[FusionCandidate] = field(default_factory=list)
 
@@ -77,6 +80,30 @@ def _whole_trace_step(trace: Trace) -> Span:
     starts = [g.ts for g in trace.gpu] + [r.ts for r in trace.runtime] + [o.ts for o in trace.cpu_ops]
     ends = [g.end for g in trace.gpu] + [r.end for r in trace.runtime] + [o.end for o in trace.cpu_ops]
     return Span("whole trace", min(starts), max(ends) - min(starts), 0)
+
+
+def _workload_host_end(trace: Trace, step: Span) -> float:
+    """Where the doctor's step-boundary wait inside the step begins; the step's end when it has none."""
+    for a in trace.annotations:
+        if a.name == STEP_BOUNDARY and a.tid == step.tid and step.ts <= a.ts <= step.end:
+            return a.ts
+    return step.end
+
+
+def _split_off_overhead(g0: float, g1: float, overhead: list[Span]) -> list[tuple[float, float, bool]]:
+    """The pieces of [g0, g1], each flagged True where the profiler's own overhead covers it."""
+    pieces, cursor = [], g0
+    for o in overhead:
+        lo, hi = max(o.ts, cursor), min(o.end, g1)
+        if hi <= lo:
+            continue
+        if lo > cursor:
+            pieces.append((cursor, lo, False))
+        pieces.append((lo, hi, True))
+        cursor = hi
+    if g1 > cursor:
+        pieces.append((cursor, g1, False))
+    return pieces
 
 
 def _assign_to_steps(trace: Trace, steps: list[Span], call_of: dict[int, RuntimeCall]) -> list[list[int]]:
@@ -96,10 +123,12 @@ def _step_stats(
     syncs: list[Sync], sync_copies: set[int], gap_list: list[tuple[float, float, str]],
 ) -> StepStats:
     events = [trace.gpu[i] for i in indices]
-    end = max([step.end] + [g.end for g in events])
-    wall = end - step.ts
+    host_end = _workload_host_end(trace, step)
+    host_stalled = _split_off_overhead(step.ts, host_end, trace.profiler_overhead)
+    host_us = host_end - step.ts - sum(p1 - p0 for p0, p1, by_profiler in host_stalled if by_profiler)
+    end = max([host_end] + [g.end for g in events])
     sync_ends = sorted(s.end for s in syncs)
-    gaps = {"launch": 0.0, "sync": 0.0, "other": 0.0}
+    gaps = {"launch": 0.0, "sync": 0.0, "other": 0.0, "profiler": 0.0}
 
     def classify(g0: float, g1: float, next_index: int | None) -> None:
         if g1 <= g0:
@@ -112,8 +141,9 @@ def _step_stats(
             # The GPU waited for the host when the launch was still in progress as it went idle; a
             # kernel with no recorded launch (or a tail with nothing left to run) counts the same way.
             kind = "launch" if call is None or call.end >= g0 else "other"
-        gaps[kind] += g1 - g0
-        gap_list.append((g0, g1, kind))
+        for p0, p1, by_profiler in _split_off_overhead(g0, g1, trace.profiler_overhead):
+            gaps["profiler" if by_profiler else kind] += p1 - p0
+            gap_list.append((p0, p1, "profiler" if by_profiler else kind))
 
     busy = 0.0
     cursor = step.ts
@@ -131,13 +161,14 @@ def _step_stats(
     scale = busy / sum(by_bound.values()) if sum(by_bound.values()) > 0 else 0.0  # streams may overlap
     delays = [g.ts - call_of[g.correlation].ts for g in events if g.correlation in call_of]
     launches = len({g.correlation for g in events if g.correlation in call_of})
+    wall = end - step.ts - gaps["profiler"]
     return StepStats(
-        name=step.name, start=step.ts, end=end, host_us=step.dur, wall_us=wall, gpu_busy_us=busy,
+        name=step.name, start=step.ts, end=end, host_us=host_us, wall_us=wall, profiler_us=gaps["profiler"], gpu_busy_us=busy,
         gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs), copies=len(events) - len(kernel_durs),
         median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
         compute_us=by_bound["compute"] * scale, memory_us=by_bound["memory"] * scale,
         launch_gap_us=gaps["launch"], sync_stall_us=gaps["sync"], other_idle_us=gaps["other"],
-        launches=launches, launches_per_s=launches / step.dur * 1e6 if step.dur > 0 else 0.0,
+        launches=launches, launches_per_s=launches / host_us * 1e6 if host_us > 0 else 0.0,
         launch_delay_us={
             "median": statistics.median(delays) if delays else 0.0,
             "p90": _quantile(delays, 0.9) if delays else 0.0,

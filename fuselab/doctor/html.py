@@ -18,7 +18,7 @@ from fuselab.doctor.verdict import Diagnosis
 WIDTH, ROW, LABEL = 1100, 26, 150
 COLORS = {
     "compute": "#2e9d4f", "memory": "#2f7bd1", "copy": "#8a8a8a", "launch": "#f2b233", "sync": "#d64541",
-    "other": "#c9c9c9", "call": "#6d4bb3",
+    "other": "#c9c9c9", "call": "#6d4bb3", "profiler": "#f0f0f0",
 }
 PART_COLORS = {"compute": COLORS["compute"], "memory": COLORS["memory"], "launch_gaps": COLORS["launch"],
                "sync_stalls": COLORS["sync"], "other_idle": COLORS["other"]}
@@ -98,7 +98,8 @@ def write_html(diagnosis: Diagnosis, path: str | os.PathLike) -> None:
                  f"<th>median kernel us</th><th>syncs</th></tr>{rows}</table>"
                  f"<h2>timeline of the median step ({statistics.median(s.wall_us for s in d.analysis.steps):.0f} us)</h2>"
                  f"{timeline_svg(d)}<p><small>purple: launch calls; red: syncs and sync stalls; green/blue: compute-/memory-bound "
-                 "kernels; grey: copies; amber: GPU waiting for the host to launch; light grey: other idle</small></p>")
+                 "kernels; grey: copies; amber: GPU waiting for the host to launch; light grey: other idle; "
+                 "faint grey: the profiler's own overhead, left out of the step</small></p>")
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>fuselab doctor: {html.escape(d.verdict)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1150px}} table{{border-collapse:collapse}}

@@ -107,8 +107,9 @@ def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int =
     prof = _profiler()
     session = _Session(prof, max_steps=None)
     with prof:
-        # One call outside any step absorbs the profiler's own start-up cost (the first launches
-        # under a fresh profiler are slower); the analysis ignores work outside steps.
+        # One call outside any step takes the slower first launches under a fresh profiler; the
+        # analysis ignores work outside steps. The profiler's own stalls (its "overhead" events,
+        # such as a buffer request that can still land in the first step) it leaves out as well.
         fn()
         if has_cuda():
             torch.cuda.synchronize()

@@ -2,7 +2,9 @@
 
 A sync is a host API call that returns only when the GPU has caught up: explicit synchronize
 calls, blocking copies, and copies to pageable host memory (what `.item()` and `.cpu()` do). The
-calls one CPU op makes (`.item()` issues a copy and then a stream synchronize) count as one sync.
+calls one CPU op makes count as one sync: `.item()` issues an asynchronous copy into pinned memory
+(which does not block by itself) and then a stream synchronize that waits for it, so the copy
+belongs to that sync's round trip.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ class Sync:
     blocked_us: float
     tid: int
     cause: str  # what the user wrote, e.g. "`.item()`"
-    source: str | None  # "file.py:LINE (function)" of the innermost user frame, when stacks were recorded
-    correlations: tuple[int, ...] = ()  # of the blocking calls, linking them to the copies they waited for
+    # "file.py:LINE (function)" of the innermost user frame, when stacks were recorded. LINE is the
+    # profiler's: the running line for frames already open when recording began, but the function's
+    # first line for frames entered while it recorded (a loop body's `.item()` reads as its `def`).
+    source: str | None
+    correlations: tuple[int, ...] = ()  # of the op's blocking calls and host copies, linking it to the copies it waited for
 
     @property
     def end(self) -> float:
@@ -102,8 +107,11 @@ def find_syncs(trace: Trace) -> list[Sync]:
     copy_by_correlation = {g.correlation: g for g in trace.gpu if g.kind == "memcpy" and g.correlation is not None}
     boundaries = [a for a in trace.annotations if a.name == STEP_BOUNDARY]
     groups: dict[tuple, list[RuntimeCall]] = {}
+    host_copies_by_op: dict[tuple, list[RuntimeCall]] = {}
     for call in trace.runtime:
         copy = copy_by_correlation.get(call.correlation)
+        if copy is not None and copy.device_to_host and call.external_id:
+            host_copies_by_op.setdefault((call.tid, call.external_id), []).append(call)
         if not _is_blocking(call, copy):
             continue
         if any(b.tid == call.tid and b.ts <= call.ts <= b.end for b in boundaries):
@@ -111,20 +119,21 @@ def find_syncs(trace: Trace) -> list[Sync]:
         key = (call.tid, call.external_id) if call.external_id else (call.tid, "call", call.ts)
         groups.setdefault(key, []).append(call)
     syncs = []
-    for calls in groups.values():
+    for key, calls in groups.items():
         first = calls[0]
+        round_trip = sorted({id(c): c for c in host_copies_by_op.get(key, []) + calls}.values(), key=lambda c: c.ts)
         ops = trace.ops_enclosing(first.tid, first.ts + first.dur / 2)
         frames = trace.frames_enclosing(first.tid, first.ts + first.dur / 2)
         names = [c.name for c in calls]
-        to_host = any((g := copy_by_correlation.get(c.correlation)) is not None and g.device_to_host for c in calls)
+        to_host = key in host_copies_by_op
         syncs.append(Sync(
-            api="+".join(dict.fromkeys(names)),
+            api="+".join(dict.fromkeys(c.name for c in round_trip)),
             ts=first.ts,
             blocked_us=sum(c.dur for c in calls),
             tid=first.tid,
             cause=_cause(names, [o.name for o in reversed(ops)], frames, to_host),
             source=source_line(frames),
-            correlations=tuple(c.correlation for c in calls if c.correlation is not None),
+            correlations=tuple(c.correlation for c in round_trip if c.correlation is not None),
         ))
     syncs.sort(key=lambda s: s.ts)
     return syncs

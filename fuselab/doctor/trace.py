@@ -4,7 +4,9 @@ A Kineto trace is a JSON object whose "traceEvents" list holds complete events (
 categories: "kernel", "gpu_memcpy", "gpu_memset" (GPU activity, pid = device, tid = stream),
 "cuda_runtime"/"cuda_driver" (host API calls), "cpu_op" (ATen ops, with "Input Dims" and
 "Input type" when shapes were recorded), "python_function" (Python frames, when stacks were
-recorded) and "user_annotation" (record_function ranges, including "ProfilerStep#N"). A host API
+recorded), "user_annotation" (record_function ranges, including "ProfilerStep#N") and "overhead"
+(the profiler's own stalls, such as CUPTI's "Activity Buffer Request", which can hold up the host
+for milliseconds inside whatever op was running; not the workload's time). A host API
 call and the GPU work it queued share args["correlation"]; a CPU op and the calls made inside it
 share args["External id"]. Flow events (ph "s"/"f", cat "ac2g") repeat the call-to-kernel links.
 
@@ -24,7 +26,9 @@ from pathlib import Path
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 CPU_OP_CATEGORIES = {"cpu_op", "operator"}  # "operator": older Kineto versions
-KINETO_CATEGORIES = set(GPU_CATEGORIES) | RUNTIME_CATEGORIES | CPU_OP_CATEGORIES | {"python_function", "user_annotation"}
+PROFILER_OVERHEAD_CATEGORY = "overhead"
+KINETO_CATEGORIES = (set(GPU_CATEGORIES) | RUNTIME_CATEGORIES | CPU_OP_CATEGORIES
+                     | {"python_function", "user_annotation", PROFILER_OVERHEAD_CATEGORY})
 STEP_PREFIX = "ProfilerStep#"
 
 
@@ -117,6 +121,7 @@ class Trace:
     cpu_ops: list[CpuOp] = field(default_factory=list)
     py_frames: list[PyFrame] = field(default_factory=list)
     annotations: list[Span] = field(default_factory=list)
+    profiler_overhead: list[Span] = field(default_factory=list)
     flows: dict[int, tuple[float, float]] = field(default_factory=dict)  # correlation -> (call ts, GPU ts)
     op_by_external_id: dict[int, int] = field(default_factory=dict)
     _frame_starts: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict, repr=False)
@@ -125,6 +130,11 @@ class Trace:
     @property
     def steps(self) -> list[Span]:
         return [a for a in self.annotations if a.name.startswith(STEP_PREFIX)]
+
+    @property
+    def op_threads(self) -> list[int]:
+        """The host threads that ran CPU ops."""
+        return list(self._op_starts)
 
     def op_for(self, external_id: int | None) -> CpuOp | None:
         index = self.op_by_external_id.get(external_id) if external_id else None
@@ -261,6 +271,8 @@ def parse_events(events: list, source: str = "<events>") -> Trace:
             ))
         elif cat == "python_function":
             trace.py_frames.append(PyFrame(name, ts, dur, tid))
+        elif cat == PROFILER_OVERHEAD_CATEGORY:
+            trace.profiler_overhead.append(Span(name, ts, dur, tid))
         else:  # user_annotation, or a profiler step that older versions wrote as a cpu_op
             trace.annotations.append(Span(name, ts, dur, tid))
     if not categories_seen:
@@ -282,6 +294,7 @@ def _finish(trace: Trace) -> None:
     trace.gpu.sort(key=lambda g: g.ts)
     trace.runtime.sort(key=lambda r: r.ts)
     trace.annotations.sort(key=lambda a: a.ts)
+    trace.profiler_overhead.sort(key=lambda a: a.ts)
     _link_parents(trace.cpu_ops, trace._op_starts)
     _link_parents(trace.py_frames, trace._frame_starts)
     trace.op_by_external_id = {op.external_id: i for i, op in enumerate(trace.cpu_ops) if op.external_id}

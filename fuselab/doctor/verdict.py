@@ -1,8 +1,10 @@
 """Turn an analysis into a verdict: the dominant cost, the evidence for it, and ranked fixes.
 
 The rules, in order:
-1. the GPU idles for at least IDLE_SHARE of the step: the step is bound by whatever keeps it
-   idle, sync stalls or launch gaps, whichever is larger;
+1. the GPU idles for at least IDLE_SHARE of the step: it is sync-bound when the idle follows syncs
+   more than launches; else launch-bound when the host, its sync waits aside, takes at least as
+   long to issue a step's work as the GPU takes to run it; else the host runs ahead and the idle
+   is only each step starting on an empty queue (after the step-boundary wait): the kernels decide;
 2. else, kernels are tiny (median under TINY_KERNEL_US, many per step): their time is the fixed
    cost of a launch, so the step is launch-bound even when they run back to back;
 3. else the kernels decide: compute- or memory-bound by where their time goes on the roofline.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.fusion import GRAPH_FIX
+from fuselab.doctor.trace import CpuOp
 
 VERDICTS = ("launch-bound", "sync-bound", "memory-bound", "compute-bound")
 IDLE_SHARE = 0.30
@@ -26,6 +29,7 @@ TINY_KERNEL_US = 5.0
 TINY_KERNEL_MIN_COUNT = 20
 FLAT_BATCH_RATIO = 1.5  # time at 10x the batch over time at 1x, below which the step does not scale
 BUSY_FOR_BATCH_TEST = 90.0  # % GPU busy above which a flat batch test means kernel work, not launches
+LONE_STALL_SHARE = 0.25  # one launch gap this much of the step is a host stall worth naming
 MIN_SAVING_SHARE = 0.02  # fixes that would save less of the step than this are not worth listing
 
 
@@ -93,6 +97,18 @@ def _roofline_pct(analysis: Analysis, bound: str) -> float | None:
     return weighted / total if total else None
 
 
+def _longest_launch_gap(analysis: Analysis) -> tuple[float, CpuOp | None]:
+    """The longest wait of the GPU for the host, and the innermost host op that ran through most of it."""
+    gaps = [(g1 - g0, g0, g1) for step_gaps in analysis.gaps for g0, g1, kind in step_gaps if kind == "launch"]
+    if not gaps:
+        return 0.0, None
+    length, g0, g1 = max(gaps)
+    # The innermost op running at the middle of the gap, if it spans most of it.
+    around = [op for tid in analysis.trace.op_threads for op in analysis.trace.ops_enclosing(tid, (g0 + g1) / 2)
+              if min(op.end, g1) - max(op.ts, g0) >= 0.9 * length]
+    return length, min(around, key=lambda op: op.dur, default=None)
+
+
 def _sync_fixes(analysis: Analysis, stall_us: float) -> list[Fix]:
     sites: dict[tuple[str, str | None], list[float]] = defaultdict(list)
     for step_syncs in analysis.syncs:
@@ -129,6 +145,8 @@ def verdict_for(analysis: Analysis, batch_test: dict | None = None) -> Diagnosis
     syncs = _mean([s.syncs for s in steps])
     median_kernel = statistics.median([s.median_kernel_us for s in steps])
     idle_share = sum(breakdown[p]["share"] for p in ("launch_gaps", "sync_stalls", "other_idle"))
+    gpu_busy = _mean([s.gpu_busy_us for s in steps])
+    host_issue = _mean([s.host_us - s.sync_blocked_us for s in steps])
     compute_pct, memory_pct = _roofline_pct(analysis, "compute"), _roofline_pct(analysis, "memory")
     c = analysis.ceilings
 
@@ -139,6 +157,10 @@ def verdict_for(analysis: Analysis, batch_test: dict | None = None) -> Diagnosis
         f"host launched {_mean([s.launches_per_s for s in steps]):,.0f} kernels/s; launch delay median "
         f"{_mean([s.launch_delay_us['median'] for s in steps]):.1f} us (call to kernel start)",
     ]
+    evidence.append(
+        f"host took {host_issue:.0f} us per step to issue its work (sync waits aside), against {gpu_busy:.0f} us of GPU work: "
+        + ("it cannot keep the GPU fed" if host_issue >= gpu_busy else "it could run ahead of the GPU")
+    )
     if syncs:
         evidence.append(f"{syncs:g} host-blocking syncs per step, blocking the host {_mean([s.sync_blocked_us for s in steps]):.0f} us per step")
     for bound, pct in (("compute", compute_pct), ("memory", memory_pct)):
@@ -147,13 +169,20 @@ def verdict_for(analysis: Analysis, batch_test: dict | None = None) -> Diagnosis
         reached = f" at {pct:.0f}% of the {ceiling} ceiling ({c.source})" if pct is not None else ""
         evidence.append(f"{bound}-bound kernels: {100 * share:.0f}% of GPU busy time{reached}")
 
-    if idle_share >= IDLE_SHARE:
-        verdict = "sync-bound" if syncs and parts["sync_stalls"] >= parts["launch_gaps"] else "launch-bound"
+    synced_idle = syncs and parts["sync_stalls"] >= parts["launch_gaps"]
+    if idle_share >= IDLE_SHARE and (synced_idle or host_issue >= gpu_busy):
+        verdict = "sync-bound" if synced_idle else "launch-bound"
     elif median_kernel < TINY_KERNEL_US and kernels >= TINY_KERNEL_MIN_COUNT:
         verdict = "launch-bound"
         evidence.append(f"median kernel {median_kernel:.1f} us (< {TINY_KERNEL_US:g} us): kernels this short cost about what launching them does")
     else:
         verdict = "compute-bound" if parts["compute"] >= parts["memory"] else "memory-bound"
+    gap_us, stalled_in = _longest_launch_gap(analysis)
+    if verdict == "launch-bound" and stalled_in is not None and gap_us >= LONE_STALL_SHARE * wall:
+        # One host op holding the GPU idle this long is not launch overhead, and a graph would hide
+        # it only if the op's host work can be captured: name it.
+        evidence.append(f"one GPU wait of {gap_us:.0f} us ({100 * gap_us / wall:.0f}% of a step) passed almost all inside "
+                        f"host op {stalled_in.name}, which ran {stalled_in.dur:.0f} us")
     if batch_test is not None:
         ratio = batch_test["ratio"]
         evidence.append(f"batch test: {batch_test['factor']}x the batch took {ratio:.2f}x the time"
