@@ -296,8 +296,11 @@ def _bench_result(with_compile: bool) -> dict:
         rows.append({
             "batch": batch, "compile_s": 3.0 if with_compile else None, "graphed_max_diff": 0.0,
             "compiled_max_diff": 0.01 if with_compile else None,
+            "graphed_compiled_max_diff": 0.01 if with_compile else None,
             "eager": mode(700.0, 128), "graphed": mode(120.0 + batch, 2), "compiled": mode(140.0, 1) if with_compile else None,
+            "graphed_compiled": mode(110.0, 2) if with_compile else None,
             "graphed_speedup": 700.0 / (120.0 + batch), "compiled_speedup": 5.0 if with_compile else None,
+            "graphed_compiled_speedup": 700.0 / 110.0 if with_compile else None,
         })
     return {
         "header": {"date": "2026-01-01T00:00:00+00:00", "device": device_info().to_dict(), "command": "fuselab bench graphs"},
@@ -305,6 +308,7 @@ def _bench_result(with_compile: bool) -> dict:
                    "workload": "64 x (Linear(128, 128) + SiLU)"},
         "graphed": {"buckets": [1, 2, 4], "capture_s": 0.5, "held_bytes": 2**21, "eager_calls": 0},
         "compiled": {"sizes_recorded": 3, "compile_s": 9.0} if with_compile else None,
+        "graphed_compiled": {"capture_s": 8.0, "held_bytes": 2**21} if with_compile else None,
         "rows": rows,
     }
 
@@ -320,6 +324,7 @@ def test_bench_graphs_reports_a_result(tmp_path, capsys, with_compile):
     printed, markdown = capsys.readouterr().out, (tmp_path / "graphs.md").read_text()
     assert "121.0" in printed and "| 1 | 700.0 | 121.0 |" in markdown and "fuselab bench graphs" in markdown
     assert ("compile + record for 3 sizes" in markdown) == with_compile
+    assert ("graphed(torch.compile(model)): compile + capture of every bucket in 8.00 s" in markdown) == with_compile
     assert (tmp_path / "graphs.png").stat().st_size > 0
 
 

@@ -1,6 +1,11 @@
 """`fuselab bench graphs`: a launch-bound chain, eager vs `fuselab.graphed` vs torch.compile's
 reduce-overhead mode, side by side in one run.
 
+torch.compile changes two things at once: it generates its own kernels and replays them from CUDA
+graphs. A fourth mode, `fuselab.graphed` over `torch.compile(model)` (default mode: the same
+generated kernels, no graphs), separates the two: against reduce-overhead it compares only the
+graph replay, with the same kernels on both sides.
+
 The chain is an MLP of tiny Linear + SiLU layers: at small batches every kernel finishes in a few
 microseconds, so an eager call costs what launching its kernels costs. Every mode is timed as the
 whole Python call (graphed: the copy into the static buffers, the replay and the slicing;
@@ -27,7 +32,8 @@ from fuselab.graphs import graphed
 from fuselab.timing import bench
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-MODES = ("eager", "graphed", "compiled")
+MODES = ("eager", "graphed", "compiled", "graphed_compiled")
+LABELS = {"eager": "eager", "graphed": "graphed", "compiled": "compiled", "graphed_compiled": "graphed(compile)"}
 # Host calls that put work on the GPU, as the profiler names them: kernels (through the runtime, or the
 # driver as Triton does), graph replays, copies and fills.
 _LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset")
@@ -107,7 +113,9 @@ def measure(args: argparse.Namespace) -> dict:
     fast = graphed(model, max_batch_size=max(args.batch_sizes))
     # Default dynamic=None: what users get; it recompiles once with a dynamic batch, then records a graph per size.
     compiled = None if args.no_compile else torch.compile(model, mode="reduce-overhead")
-    calls = {"eager": model, "graphed": fast, "compiled": compiled}
+    # The first call captures every bucket; its warm-up compiles the model (once static, once with a dynamic batch).
+    fast_compiled = None if args.no_compile else graphed(torch.compile(model), max_batch_size=max(args.batch_sizes))
+    calls = {"eager": model, "graphed": fast, "compiled": compiled, "graphed_compiled": fast_compiled}
     rows = []
     with torch.no_grad():
         for batch in args.batch_sizes:
@@ -119,6 +127,7 @@ def measure(args: argparse.Namespace) -> dict:
             expected = model(x)
             row["graphed_max_diff"] = _max_diff(fast(x), expected)
             row["compiled_max_diff"] = None if compiled is None else _max_diff(compiled(x).clone(), expected)
+            row["graphed_compiled_max_diff"] = None if fast_compiled is None else _max_diff(fast_compiled(x), expected)
             for mode in MODES:
                 call = calls[mode]
                 if call is None:
@@ -127,7 +136,8 @@ def measure(args: argparse.Namespace) -> dict:
                 result = bench(lambda: call(x), rep_ms=args.rep_ms, flush_l2=False)
                 row[mode] = {"median_us": result.median_us, **count_launches(lambda: call(x))}
             row["graphed_speedup"] = row["eager"]["median_us"] / row["graphed"]["median_us"]
-            row["compiled_speedup"] = None if compiled is None else row["eager"]["median_us"] / row["compiled"]["median_us"]
+            for mode in ("compiled", "graphed_compiled"):
+                row[f"{mode}_speedup"] = None if row[mode] is None else row["eager"]["median_us"] / row[mode]["median_us"]
             rows.append(row)
             times = ", ".join(f"{m} {row[m]['median_us']:.1f} us" for m in MODES if row[m] is not None)
             print(f"batch {batch}: {times}", flush=True)  # progress: compiling can take minutes
@@ -143,6 +153,8 @@ def measure(args: argparse.Namespace) -> dict:
         "graphed": {"buckets": list(fast.stats.buckets), "capture_s": fast.stats.capture_s,
                     "held_bytes": fast.stats.held_bytes, "eager_calls": fast.stats.eager_calls},
         "compiled": None if compiled is None else {"sizes_recorded": len(compile_times), "compile_s": sum(compile_times)},
+        "graphed_compiled": None if fast_compiled is None else {"capture_s": fast_compiled.stats.capture_s,
+                                                                "held_bytes": fast_compiled.stats.held_bytes},
         "rows": rows,
     }
 
@@ -157,14 +169,14 @@ def _table_rows(result: dict) -> list[list[str]]:
         times = [_fmt(r[m] and r[m]["median_us"], ".1f") for m in MODES]
         kernels = "/".join(_fmt(r[m] and r[m]["kernels"], "d") for m in MODES)
         launches = "/".join(_fmt(r[m] and r[m]["launches"], "d") for m in MODES)
-        speedups = [_fmt(r[f"{m}_speedup"], ".1f") for m in ("graphed", "compiled")]
+        speedups = [_fmt(r[f"{m}_speedup"], ".1f") for m in MODES[1:]]
         out.append([str(r["batch"]), *times, *speedups, kernels, launches, _fmt(r["compile_s"], ".2f")])
     return out
 
 
-# Speedups are over eager; kernels and launches per call are given eager/graphed/compiled.
-COLUMNS = ["batch", "eager us", "graphed us", "compiled us", "graphed x", "compiled x", "kernels e/g/c", "launches e/g/c",
-           "compile s"]
+# Speedups are over eager; kernels and launches per call are given per mode, eager/graphed/compiled/graphed(compile).
+COLUMNS = ["batch", *(f"{LABELS[m]} us" for m in MODES), *(f"{LABELS[m]} x" for m in MODES[1:]), "kernels e/g/c/gc",
+           "launches e/g/c/gc", "compile s"]
 
 
 def _summary_lines(result: dict) -> list[str]:
@@ -173,6 +185,10 @@ def _summary_lines(result: dict) -> list[str]:
              f"holding {g['held_bytes'] / 2**20:.1f} MiB of GPU memory"]
     if c is not None:
         lines.append(f"torch.compile(mode='reduce-overhead'): compile + record for {c['sizes_recorded']} sizes in {c['compile_s']:.2f} s")
+    gc = result.get("graphed_compiled")
+    if gc is not None:
+        lines.append(f"graphed(torch.compile(model)): compile + capture of every bucket in {gc['capture_s']:.2f} s, "
+                     f"holding {gc['held_bytes'] / 2**20:.1f} MiB")
     return lines
 
 
@@ -185,7 +201,7 @@ def write_markdown(result: dict, path: Path) -> None:
         f"- GPU: {d['name']} (torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}, Python {d['python']})",
         f"- command: `{h['command']}`",
         f"- workload: {result['config']['workload']}, {result['config']['dtype']}; time per whole Python call (median); "
-        "speedups over eager; kernels and host launch calls per call as eager/graphed/compiled; compile s: "
+        "speedups over eager; kernels and host launch calls per call as eager/graphed/compiled/graphed(compile); compile s: "
         "torch.compile's first three calls at that size (compilation and graph recording)",
         *[f"- {line}" for line in _summary_lines(result)],
         "",
@@ -207,10 +223,10 @@ def write_plot(result: dict, path: Path) -> None:
     fig, (times, speedups) = plt.subplots(1, 2, figsize=(11, 4))
     for mode in MODES:
         if result["rows"][0][mode] is not None:
-            times.plot(batches, [r[mode]["median_us"] for r in result["rows"]], marker="o", label=mode)
-    for mode in ("graphed", "compiled"):
+            times.plot(batches, [r[mode]["median_us"] for r in result["rows"]], marker="o", label=LABELS[mode])
+    for mode in MODES[1:]:
         if result["rows"][0][f"{mode}_speedup"] is not None:
-            speedups.plot(batches, [r[f"{mode}_speedup"] for r in result["rows"]], marker="o", label=mode)
+            speedups.plot(batches, [r[f"{mode}_speedup"] for r in result["rows"]], marker="o", label=LABELS[mode])
     times.set(xscale="log", yscale="log", xlabel="batch size", ylabel="us per call", title=result["config"]["workload"])
     speedups.set(xscale="log", xlabel="batch size", ylabel="speedup over eager", title=result["header"]["device"]["name"])
     speedups.axhline(1.0, color="gray", linestyle="--", linewidth=1)  # eager
