@@ -53,3 +53,16 @@ def test_bench_help_lists_every_subject(capsys):
         with pytest.raises(SystemExit) as exc:
             main(["bench", subject, "--help"])
         assert exc.value.code == 0
+
+
+def test_every_bench_subject_says_it_needs_a_gpu_on_a_cpu_machine(tmp_path, capsys):
+    import torch
+
+    from fuselab.cli import BENCH_SUBJECTS
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    for subject in BENCH_SUBJECTS:
+        assert main(["bench", subject, "--out", str(tmp_path)]) == 0
+        assert "needs a CUDA GPU" in capsys.readouterr().out, subject
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written

@@ -16,8 +16,6 @@ Every figure is the median of CUDA-event timings with the L2 cache flushed betwe
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from fuselab.bench import command_line, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -273,19 +272,13 @@ def _progress(label: str, record: dict) -> None:
     print(f"  {label}: " + (record["error"] or f"{record['median_us']:.1f} us"), file=sys.stderr)
 
 
-def _command() -> str:
-    if Path(sys.argv[0]).name in ("fuselab", "__main__.py"):
-        return shlex.join(["fuselab", *sys.argv[1:]])
-    return shlex.join(sys.argv)
-
-
 def measure(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     ceiling = ceilings()
     timing = dict(warmup_ms=5.0, rep_ms=20.0) if args.quick else dict(warmup_ms=25.0, rep_ms=100.0)
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": _command(),
+        "command": command_line(),
         "device": device_info().to_dict(),
         "ceilings": {"copy_bandwidth_gbs": ceiling.copy_bandwidth_gbs, "source": ceiling.source},
         "config": {"dtype": args.dtype, "quick": args.quick,
@@ -418,8 +411,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(args)
     print_tables(result)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out, "attention")
     write_markdown(result, out / "attention.md")
     print(f"wrote {out / 'attention.json'}, {out / 'attention.md'}")
     return 0

@@ -17,9 +17,6 @@ launch cost this measures.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from fuselab.bench import command_line, write_json
 from fuselab.device import device_info, has_cuda
 from fuselab.graphs import graphed
 from fuselab.timing import bench
@@ -99,13 +97,6 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def _command() -> str:
-    """The command line that ran this benchmark, spelled as the user would type it."""
-    if Path(sys.argv[0]).name in ("fuselab", "__main__.py"):
-        return shlex.join(["fuselab", *sys.argv[1:]])
-    return shlex.join(sys.argv)
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Time every mode at every batch size; the result as one JSON-ready dict."""
     torch.manual_seed(0)
@@ -146,7 +137,7 @@ def measure(args: argparse.Namespace) -> dict:
         "header": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": device_info().to_dict(),
-            "command": _command(),
+            "command": command_line(),
         },
         "config": {"layers": args.layers, "width": args.width, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
                    "rep_ms": args.rep_ms, "workload": f"{args.layers} x (Linear({args.width}, {args.width}) + SiLU)"},
@@ -264,8 +255,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(args)
     print_table(result)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "graphs.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out, "graphs")
     write_markdown(result, out / "graphs.md")
     write_plot(result, out / "graphs.png")
     print(f"wrote {out / 'graphs.json'}, {out / 'graphs.md'}, {out / 'graphs.png'}")

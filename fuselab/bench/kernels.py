@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
-import shlex
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from fuselab.bench import command_line, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -324,7 +323,7 @@ def measure(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": _command(),
+        "command": command_line(),
         "device": device_info().to_dict(),
         "ceilings": {"copy_bandwidth_gbs": copy_gbs, "source": ceiling.source},
         "config": {"dtype": args.dtype, "quick": args.quick, "compile": not args.no_compile,
@@ -332,13 +331,6 @@ def measure(args: argparse.Namespace) -> dict:
         "results": results,
         "host_us_per_call": host,
     }
-
-
-def _command() -> str:
-    """The command line that ran this benchmark, spelled as the user would type it."""
-    if Path(sys.argv[0]).name in ("fuselab", "__main__.py"):
-        return shlex.join(["fuselab", *sys.argv[1:]])
-    return shlex.join(sys.argv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,8 +454,7 @@ def run(args: argparse.Namespace) -> int:
     result = measure(args)
     print_tables(result)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, out, "kernels")
     write_markdown(result, out / "kernels.md")
     print(f"wrote {out / 'kernels.json'}, {out / 'kernels.md'}")
     return 0

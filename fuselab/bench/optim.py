@@ -11,15 +11,15 @@ share of the copy bandwidth, and the host time to issue one step without a sync.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
+from datetime import datetime, timezone
 from typing import Callable
 
 import torch
 
+from fuselab.bench import command_line, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -78,7 +78,8 @@ def measure(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
         del params
         torch.cuda.empty_cache()
-    return {"device": device_info().to_dict(), "copy_bandwidth_gbs": copy_gbs, "dtype": args.dtype,
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
+            "device": device_info().to_dict(), "copy_bandwidth_gbs": copy_gbs, "dtype": args.dtype,
             "bytes_per_param": BYTES_PER_PARAM, "results": results}
 
 
@@ -111,8 +112,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     result = measure(args)
     print_table(result)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "optim.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out / 'optim.json'}")
+    print(f"wrote {write_json(result, args.out, 'optim')}")
     return 0
