@@ -2,8 +2,21 @@
 traffic in PyTorch GPU inference."""
 
 from fuselab import device  # noqa: F401  (first: chooses compiled or interpreted Triton before any kernel is defined)
-from fuselab.patch import patch
 from fuselab.timing import Timer, Timers, bench, cuda_timer
 
 __version__ = "0.1.0"
 __all__ = ["Timer", "Timers", "bench", "cuda_timer", "patch", "__version__"]
+
+# Names whose modules load Triton and the kernels: imported on first use, so that `import fuselab`
+# (and every `fuselab --help`) stays quick.
+_LAZY = {"patch": "fuselab.patching"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fuselab' has no attribute {name!r}")

@@ -7,7 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from fuselab.kernels import cross_entropy  # noqa: E402
 from fuselab.optim import FusedAdamW  # noqa: E402
-from fuselab.patch import FusedRMSNorm, FusedSwiGLUMLP, patch  # noqa: E402
+from fuselab.patching import FusedRMSNorm, FusedSwiGLUMLP, patch  # noqa: E402
 
 LAYERS = 2
 TINY = dict(

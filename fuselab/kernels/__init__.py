@@ -5,20 +5,30 @@ Torch references for every op live in `fuselab.kernels.reference`.
 
 from fuselab import device as _device  # noqa: F401  (selects compiled or interpreted Triton first)
 
-# --- elementwise, norms, activations, softmax (exports) ---
 from fuselab.kernels.add import add
 from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
-
-# --- rope, cross-entropy (exports) ---
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.rope import apply_rope, rope_cos_sin
-
-# --- attention (exports) ---
 from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
 from fuselab.kernels.paged_attention import decode_attention, store_kv
 
-__all__: list[str] = ["add", "apply_rope", "bias_act", "cross_entropy", "decode_attention", "flash_attention", "flash_attention_varlen", "layer_norm", "rms_norm", "rope_cos_sin", "silu_and_mul", "softmax", "store_kv", "swiglu"]
+__all__ = [
+    "add",
+    "apply_rope",
+    "bias_act",
+    "cross_entropy",
+    "decode_attention",
+    "flash_attention",
+    "flash_attention_varlen",
+    "layer_norm",
+    "rms_norm",
+    "rope_cos_sin",
+    "silu_and_mul",
+    "softmax",
+    "store_kv",
+    "swiglu",
+]
