@@ -1,0 +1,188 @@
+"""The Llama-family transformer over packed tokens and a paged KV cache.
+
+Tokens of every sequence in a step are packed along one dim, [T]; `AttentionMetadata` says where
+each sequence starts (prefill) or where its cached context lives (decode), and which cache slot
+each token's key and value go to. Q/K/V are one projection and gate/up another, merged at load.
+
+Two sets of ops run the same layers: "eager" calls the plain-torch references of
+fuselab.kernels.reference, "fused" calls fuselab's Triton kernels (RMSNorm fused with the
+residual add, SwiGLU on the merged gate/up, RoPE on q and k in one launch, varlen flash
+attention for prefill, paged flash-decoding for decode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fuselab import kernels
+from fuselab.engine.config import ModelConfig
+from fuselab.kernels import reference
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of attention. slot_mapping[t] = block · block_size + offset of token t's
+    key and value (-1: a padding row, not stored). Prefill attends within each sequence of
+    cu_seqlens; decode attends over seq_lens[i] cached tokens found through block_tables."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T] int32
+    cu_seqlens: torch.Tensor | None = None  # prefill: [B + 1] int32
+    max_seqlen: int = 0  # prefill: longest sequence, a host int so nothing waits for the device
+    block_tables: torch.Tensor | None = None  # decode: [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor | None = None  # decode: [B] int32, the new token included
+
+
+class Ops(NamedTuple):
+    rms_norm: Callable
+    silu_and_mul: Callable
+    apply_rope: Callable
+    store_kv: Callable
+    prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
+    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+
+
+EAGER_OPS = Ops(
+    rms_norm=reference.rms_norm,
+    silu_and_mul=reference.silu_and_mul,
+    apply_rope=reference.apply_rope,
+    store_kv=reference.store_kv,
+    prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
+    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: reference.decode_attention(q, kc, vc, bt, sl, scale),
+)
+
+FUSED_OPS = Ops(
+    rms_norm=kernels.rms_norm,
+    silu_and_mul=kernels.silu_and_mul,
+    apply_rope=kernels.apply_rope,
+    store_kv=kernels.store_kv,
+    prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(q, k, v, cu, max_len, True, scale),
+    # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes
+    # only, which a captured decode graph needs.
+    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: kernels.decode_attention(
+        q, kc, vc, bt, sl, scale, max_seq_len=max_len),
+)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.scale = config.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, cos_sin: torch.Tensor, max_model_len: int, ops: Ops) -> torch.Tensor:
+        c = self.config
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        # Views of the merged projection: each head's vector stays contiguous, which every op needs.
+        q = q.view(tokens, c.num_heads, c.head_dim)
+        k = k.view(tokens, c.num_kv_heads, c.head_dim)
+        v = v.view(tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.apply_rope(q, k, positions, cos_sin)
+        ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        if attn.is_prefill:
+            # Every prefill starts from an empty context (no prefix cache), so attention within the
+            # new tokens is the whole of it.
+            o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
+        else:
+            o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale, max_model_len)
+        return self.o_proj(o.reshape(tokens, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                attn: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor,
+                max_model_len: int, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried beside the layer output, so that each norm adds it in
+        # the same pass ((x + residual) is both normalized and kept for the next add).
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
+        h = self.self_attn(h, positions, attn, k_cache, v_cache, cos_sin, max_model_len, ops)
+        norm = self.post_attention_layernorm
+        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
+        return self.mlp(h, ops), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow Hugging Face's, with q/k/v_proj merged into qkv_proj and
+    gate/up_proj into gate_up_proj. With tied embeddings there is no lm_head: the logits
+    read the embedding matrix."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_model_len: int, mode: str) -> None:
+        super().__init__()
+        self.config = config
+        self.max_model_len = max_model_len
+        self.ops = FUSED_OPS if mode in ("fused", "graphs") else EAGER_OPS
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False, dtype=dtype)
+        self.cos_sin: torch.Tensor | None = None  # set by build_model on the model's device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for packed input_ids and positions [T]."""
+        h, residual = self.model.embed_tokens(input_ids), None
+        for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
+            h, residual = layer(h, residual, positions, attn, k_cache, v_cache, self.cos_sin, self.max_model_len, self.ops)
+        h, _ = self.ops.rms_norm(h, self.model.norm.weight, self.model.norm.eps, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                mode: str) -> LlamaForCausalLM:
+    """An uninitialized model on `device`: built on the meta device, so no memory is written
+    twice (the weights come from a checkpoint or a random init next)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype, max_model_len, mode)
+    model = model.to_empty(device=device).eval()
+    model.cos_sin = kernels.rope_cos_sin(max_model_len, config.head_dim, config.rope_theta, config.rope_scaling,
+                                         device=device)
+    return model

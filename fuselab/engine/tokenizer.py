@@ -1,0 +1,48 @@
+"""Tokenizers: a checkpoint's tokenizer.json (through the `tokenizers` library), or bytes for presets.
+
+Presets have random weights and no vocabulary of their own; reading a string prompt as its UTF-8
+bytes (token id = byte value) still lets one run from text, e.g. `fuselab generate --model tiny`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class HFTokenizer:
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tokenizer = _Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        # With the special tokens the checkpoint's post-processor adds (Llama's BOS), as transformers does.
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """Token id = byte value; ids past 255 (a random model may produce them) decode to nothing."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory (None if it has no tokenizer.json); bytes for a preset (None)."""
+    if model_dir is None:
+        return ByteTokenizer()
+    path = model_dir / "tokenizer.json"
+    return HFTokenizer(path) if path.is_file() else None
