@@ -5,11 +5,11 @@ from fuselab import device  # noqa: F401  (first: chooses compiled or interprete
 from fuselab.timing import Timer, Timers, bench, cuda_timer
 
 __version__ = "0.1.0"
-__all__ = ["Timer", "Timers", "bench", "cuda_timer", "patch", "__version__"]
+__all__ = ["LLM", "SamplingParams", "Timer", "Timers", "bench", "cuda_timer", "patch", "__version__"]
 
 # Names whose modules load Triton and the kernels: imported on first use, so that `import fuselab`
 # (and every `fuselab --help`) stays quick.
-_LAZY = {"patch": "fuselab.patching"}
+_LAZY = {"patch": "fuselab.patching", "LLM": "fuselab.engine", "SamplingParams": "fuselab.engine"}
 
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from fuselab.doctor.cli import add_doctor_parser, run_doctor
+from fuselab.engine.cli import add_generate_parser, run_generate
 
 # `fuselab bench SUBJECT`: each subject is a module of fuselab.bench with add_arguments(parser) and run(args) -> int.
 BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_probe(sub)
     add_doctor_parser(sub)
+    add_generate_parser(sub)
     if BENCH_SUBJECTS:
         _add_bench(sub)
     return parser
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return probe_main(json_path=args.json, plot_path=args.plot, markdown_path=args.markdown, quick=args.quick, cache=not args.no_cache)
     if args.command == "doctor":
         return run_doctor(args)
+    if args.command == "generate":
+        return run_generate(args)
     if args.command == "bench":
         return importlib.import_module(BENCH_SUBJECTS[args.subject][0]).run(args)
     raise AssertionError(f"unhandled command {args.command}")
