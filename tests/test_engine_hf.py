@@ -1,0 +1,115 @@
+"""The engine against transformers: tiny random checkpoints of each architecture, saved with
+save_pretrained and served by LLM, give the same greedy tokens as transformers' generate (float32)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine_checkpoints import ARCHITECTURES, build_hf_model, hf_greedy, save_checkpoint
+from fuselab.engine import LLM, SamplingParams
+
+PROMPT_LENGTHS = (1, 7, 33, 70)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """arch -> (transformers model, checkpoint dir), built once per module."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: (model := build_hf_model(arch), save_checkpoint(model, root / arch)) for arch in ARCHITECTURES}
+
+
+def _prompts(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_greedy_tokens_match_transformers_eager(checkpoints, arch):
+    hf_model, path = checkpoints[arch]
+    prompts = _prompts(PROMPT_LENGTHS)
+    expected = [hf_greedy(hf_model, p, 12) for p in prompts]
+    llm = LLM(path, mode="eager")
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+
+
+@pytest.mark.filterwarnings("ignore:mode 'fused' on the CPU")
+def test_greedy_tokens_match_transformers_fused(checkpoints):
+    # Triton's interpreter is slow: a short run of the Llama 3 case (GQA, rope scaling).
+    hf_model, path = checkpoints["llama3"]
+    prompts = _prompts((1, 9, 40))
+    expected = [hf_greedy(hf_model, p, 5) for p in prompts]
+    llm = LLM(path, mode="fused", max_model_len=64)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5))
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_sharded_checkpoint_loads_like_one_file(checkpoints, tmp_path):
+    hf_model, _ = checkpoints["qwen2"]
+    path = save_checkpoint(hf_model, tmp_path / "sharded", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    prompts = _prompts((5, 20))
+    expected = [hf_greedy(hf_model, p, 8) for p in prompts]
+    outputs = LLM(path, mode="eager").generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    assert [o.token_ids for o in outputs] == expected
+
+
+def _copy_checkpoint(src, dst, edit):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_checkpoint_missing_a_tensor_is_rejected(checkpoints, tmp_path):
+    path = _copy_checkpoint(checkpoints["llama3"][1], tmp_path / "ckpt",
+                            lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight"):
+        LLM(path, mode="eager")
+
+
+def test_checkpoint_with_a_foreign_tensor_is_rejected(checkpoints, tmp_path):
+    path = _copy_checkpoint(checkpoints["llama3"][1], tmp_path / "ckpt",
+                            lambda t: t.update({"model.vision_tower.weight": t["model.norm.weight"].clone()}))
+    with pytest.raises(ValueError, match="vision_tower"):
+        LLM(path, mode="eager")
+
+
+def test_checkpoint_without_safetensors_is_rejected(checkpoints, tmp_path):
+    (tmp_path / "config.json").write_text((checkpoints["llama3"][1] / "config.json").read_text())
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(tmp_path, mode="eager")
+
+
+def test_directory_without_config_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(tmp_path)
+
+
+def test_string_prompts_use_the_checkpoints_tokenizer(checkpoints, tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    hf_model, _ = checkpoints["llama3"]
+    path = save_checkpoint(hf_model, tmp_path / "with_tokenizer")
+    vocab = {f"w{i}": i for i in range(256)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+
+    llm = LLM(path, mode="eager")
+    params = SamplingParams(temperature=0, max_tokens=6)
+    by_text = llm.generate("w5 w17 w200", params)[0]
+    by_ids = llm.generate([5, 17, 200], params)[0]
+    assert by_text.prompt_token_ids == [5, 17, 200]
+    assert by_text.token_ids == by_ids.token_ids == hf_greedy(hf_model, [5, 17, 200], 6)
+    assert by_text.text == " ".join(f"w{t}" for t in by_text.token_ids)
