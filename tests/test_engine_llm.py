@@ -61,6 +61,11 @@ def test_stream_yields_the_tokens_of_generate(llm):
     assert streamed == expected and reasons == ["length", "length"]
 
 
+def test_progress_bar_goes_to_stderr(llm, capsys):
+    outputs = llm.generate([[1, 2], [3]], GREEDY, progress=True)
+    assert len(outputs) == 2 and capsys.readouterr().out == ""
+
+
 def test_closing_a_stream_early_frees_its_requests(llm):
     stream = llm.generate_stream([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=50))
     next(stream)

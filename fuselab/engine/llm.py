@@ -302,9 +302,11 @@ def _progress_bar(enabled: bool, total: int) -> Iterator[Callable[[], None]]:
     if not enabled:
         yield lambda: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # On stderr, so that a script's stdout holds its own output only.
     with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  transient=True) as bar:
+                  console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("generate", total=total)
         yield lambda: bar.advance(task)
