@@ -17,7 +17,7 @@ _LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq
                     original_max_position_embeddings=32)
 
 ARCHITECTURES = {
-    "llama3": ("LlamaConfig", dict(rope_scaling=_LLAMA3_ROPE)),
+    "llama3": ("LlamaConfig", dict(rope_parameters=_LLAMA3_ROPE)),
     "llama2-tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),

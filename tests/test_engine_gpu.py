@@ -31,6 +31,8 @@ def build_hf_llama(preset: str):
 
     # Without an end-of-sequence token, both sides generate exactly NEW_TOKENS.
     fields = {k: v for k, v in PRESETS[preset].items() if k != "model_type"}
+    # transformers 5 takes the rope settings as one dict, theta included.
+    fields["rope_parameters"] = {**fields.pop("rope_scaling"), "rope_theta": fields.pop("rope_theta")}
     config = transformers.LlamaConfig(**{**fields, "eos_token_id": None})
     torch.manual_seed(0)
     with torch.device(DEVICE):

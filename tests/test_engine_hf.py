@@ -1,5 +1,6 @@
 """The engine against transformers: tiny random checkpoints of each architecture, saved with
-save_pretrained and served by LLM, give the same greedy tokens as transformers' generate (float32)."""
+save_pretrained and served by LLM, give the same greedy tokens as transformers' generate (float32).
+On the CPU, "fused" runs Triton's interpreter; on a GPU these tests run compiled, on CUDA."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_greedy_tokens_match_transformers_eager(checkpoints, arch):
     hf_model, path = checkpoints[arch]
     prompts = _prompts(PROMPT_LENGTHS)
     expected = [hf_greedy(hf_model, p, 12) for p in prompts]
-    llm = LLM(path, mode="eager")
+    llm = LLM(path, mode="eager", dtype="float32")
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert [o.token_ids for o in outputs] == expected
     assert all(o.finish_reason == "length" for o in outputs)
@@ -44,7 +45,7 @@ def test_greedy_tokens_match_transformers_fused(checkpoints):
     hf_model, path = checkpoints["llama3"]
     prompts = _prompts((1, 9, 40))
     expected = [hf_greedy(hf_model, p, 5) for p in prompts]
-    llm = LLM(path, mode="fused", max_model_len=64)
+    llm = LLM(path, mode="fused", dtype="float32", max_model_len=64)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5))
     assert [o.token_ids for o in outputs] == expected
 
@@ -56,7 +57,7 @@ def test_sharded_checkpoint_loads_like_one_file(checkpoints, tmp_path):
     assert len(set(index["weight_map"].values())) > 2
     prompts = _prompts((5, 20))
     expected = [hf_greedy(hf_model, p, 8) for p in prompts]
-    outputs = LLM(path, mode="eager").generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+    outputs = LLM(path, mode="eager", dtype="float32").generate(prompts, SamplingParams(temperature=0, max_tokens=8))
     assert [o.token_ids for o in outputs] == expected
 
 
@@ -106,7 +107,7 @@ def test_string_prompts_use_the_checkpoints_tokenizer(checkpoints, tmp_path):
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.save(str(path / "tokenizer.json"))
 
-    llm = LLM(path, mode="eager")
+    llm = LLM(path, mode="eager", dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=6)
     by_text = llm.generate("w5 w17 w200", params)[0]
     by_ids = llm.generate([5, 17, 200], params)[0]

@@ -28,7 +28,7 @@ def checkpoint(hf_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint, mode="eager", max_model_len=128)
+    return LLM(checkpoint, mode="eager", dtype="float32", max_model_len=128)
 
 
 def test_llm_and_sampling_params_come_from_the_package_root():
@@ -155,7 +155,8 @@ def _same_up_to_a_tie(hf_model, prompt, tokens, reference):
     return (top2[0] - top2[1]).item() < 1e-4
 
 
-def test_load_through_a_small_cache_completes_every_request_as_if_alone(hf_model, checkpoint):
+@pytest.mark.parametrize("mode", ["eager", pytest.param("fused", marks=pytest.mark.gpu)])
+def test_load_through_a_small_cache_completes_every_request_as_if_alone(hf_model, checkpoint, mode):
     """200 requests of random lengths, greedy and seeded sampling mixed, through a cache of 40
     blocks of 16 tokens (200 requests need far more): all complete, preempted ones recomputed,
     each with the tokens it gets when run alone (greedy ones up to a float32 tie of the two best)."""
@@ -163,12 +164,12 @@ def test_load_through_a_small_cache_completes_every_request_as_if_alone(hf_model
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 60))] for _ in range(200)]
     params = [SamplingParams(temperature=0 if i % 3 else 0.8, top_k=20, seed=i, max_tokens=rng.randint(1, 24))
               for i in range(200)]
-    llm = LLM(checkpoint, mode="eager", max_model_len=128, num_kv_blocks=40, max_num_seqs=64)
+    llm = LLM(checkpoint, mode=mode, dtype="float32", max_model_len=128, num_kv_blocks=40, max_num_seqs=64)
     outputs = llm.generate(prompts, params)
     assert llm.scheduler.num_preemptions > 0
     assert llm.scheduler.block_manager.num_free_blocks == 40
     assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
-    alone = LLM(checkpoint, mode="eager", max_model_len=128, max_num_seqs=1)
+    alone = LLM(checkpoint, mode=mode, dtype="float32", max_model_len=128, max_num_seqs=1)
     for prompt, p, out in zip(prompts, params, outputs):
         reference = alone.generate(prompt, p)[0].token_ids
         assert out.token_ids == reference if p.temperature else _same_up_to_a_tie(hf_model, prompt, out.token_ids, reference)
