@@ -54,7 +54,6 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
 
     @property
