@@ -55,10 +55,11 @@ class TraceBuilder:
         self._x("cuda_runtime", name, ts, dur, **{"External id": external_id or 0, "cbid": 211, "correlation": self._correlation})
         return self._correlation
 
-    def gpu(self, name: str, ts: float, dur: float, correlation: int, external_id: int | None, cat: str = "kernel") -> None:
+    def gpu(self, name: str, ts: float, dur: float, correlation: int, external_id: int | None, cat: str = "kernel",
+            **extra) -> None:
         self._x(cat, name, ts, dur, pid=0, tid=STREAM, **{
             "External id": external_id or 0, "queued": 0, "device": 0, "context": 1, "stream": STREAM,
-            "correlation": correlation, "grid": [1, 1, 1], "block": [128, 1, 1],
+            "correlation": correlation, "grid": [1, 1, 1], "block": [128, 1, 1], **extra,
         })
         self.events.append({"ph": "s", "id": correlation, "pid": PID, "tid": TID, "ts": BASE + self._call_ts[correlation],
                             "cat": "ac2g", "name": "ac2g"})
@@ -166,4 +167,29 @@ def cpu_only() -> TraceBuilder:
     b = TraceBuilder()
     b.step(0, 0.0, 100.0)
     b.op("aten::add", 1.0, 5.0, [[4], [4]], ["float", "float"])
+    return b
+
+
+GRAPH_LAYER = ("_rms_norm_forward_kernel", "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "_swiglu_forward_kernel",
+               "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "splitKreduce_kernel")
+
+
+def graph_replay(steps: int = 3, launch_name: str = "cudaGraphLaunch") -> TraceBuilder:
+    """Per 600 us step, a step replayed from a CUDA graph as fuselab.graphs.graphed runs it: the input
+    copied in (launched alone), one `launch_name` call (100-400 us: the profiler keeps it in progress)
+    replaying 4 x GRAPH_LAYER = 20 kernels of 10 us, 5 us apart from 130 us on, and the output copied
+    out (launched alone, at 507 us).
+
+    Per step: busy 204 us; launch gaps 301 us (7 before the input copy, 121 waiting for the graph
+    launch, 82 before the output copy, 91 after it); other idle 95 us (19 x 5 us inside the replay).
+    """
+    b = TraceBuilder()
+    for n in range(steps):
+        s = 1000.0 * n
+        b.step(n, s, 600.0)
+        b.launch("aten::copy_", s, s + 7, 2.0, [[1, 2048], [1, 2048], []], ["c10::BFloat16", "c10::BFloat16", "Scalar"])
+        corr = b.runtime(launch_name, s + 100, 300.0)
+        for k in range(20):
+            b.gpu(GRAPH_LAYER[k % len(GRAPH_LAYER)], s + 130 + 15 * k, 10.0, corr, None, **{"graph node id": 100 + k})
+        b.launch("aten::copy_", s + 500, s + 507, 2.0, [[1, 2048], [1, 2048], []], ["c10::BFloat16", "c10::BFloat16", "Scalar"])
     return b

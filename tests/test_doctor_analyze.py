@@ -5,8 +5,10 @@ import pytest
 import doctor_traces as dt
 from fuselab.device import Ceilings, STATED_CEILINGS
 from fuselab.doctor import analyze_trace
+from fuselab.doctor.analyze import analyze_file
 from fuselab.doctor.roofline import op_cost
 from fuselab.doctor.trace import CpuOp
+from fuselab.doctor.verdict import OUTSIDE_GRAPH_FIX, REPLAY_HOST_FIX, verdict_for
 
 
 def diagnose_built(builder, tmp_path, ceilings=STATED_CEILINGS, **kwargs):
@@ -206,3 +208,97 @@ def test_analyze_trace_names_the_bad_argument(tmp_path, kwargs, error, message):
     path = dt.memory_bound(steps=1).write(tmp_path / "t.json")
     with pytest.raises(error, match=message):
         analyze_trace(path, **kwargs)
+
+
+def _without_graph_launch_calls(b):
+    """The replay as a version that records only the kernels' graph node ids: no cudaGraphLaunch call."""
+    b.events = [e for e in b.events if not str(e.get("name", "")).startswith("cudaGraphLaunch")]
+    return b
+
+
+@pytest.mark.parametrize("builder", [
+    dt.graph_replay,
+    lambda: dt.graph_replay(launch_name="cudaGraphLaunch_v10000"),
+    lambda: _without_graph_launch_calls(dt.graph_replay()),
+], ids=["graph launch", "versioned graph launch", "graph node ids only"])
+def test_graph_replay_has_no_launch_gaps_inside_it(tmp_path, builder):
+    d = diagnose_built(builder(), tmp_path)
+    step = d.analysis.steps[0]
+    assert step.kernels == 22 and step.graph_kernels == 20 and step.graph_launches == 1
+    assert step.gpu_busy_us == pytest.approx(204.0)
+    assert step.launch_gap_us == pytest.approx(7.0 + 121.0 + 82.0 + 91.0)
+    assert step.graph_launch_gap_us == pytest.approx(121.0)  # waiting for the replay to begin
+    assert step.other_idle_us == pytest.approx(19 * 5.0)  # between kernels of the replay: GPU-side
+    replay = (step.start + 130.0, step.start + 425.0)
+    assert not [g for g in d.analysis.gaps[0] if g[2] == "launch" and replay[0] < g[0] < replay[1]]
+
+
+def test_graph_replay_counts_and_launch_delay(tmp_path):
+    d = diagnose_built(dt.graph_replay(), tmp_path)
+    step = d.analysis.steps[0]
+    assert step.launch_delay_us["median"] == 5.0  # the two copies launched alone, not the replay's kernels
+    assert step.median_launched_kernel_us == 2.0
+    out = d.to_dict()
+    assert out["graph_launches_per_step"] == 1 and out["graph_kernels_per_step"] == 20
+    assert out["per_step"][0]["graph_launches"] == 1 and out["per_step"][0]["graph_kernels"] == 20
+    assert any(e.startswith("20 kernels per step replayed from 1 graph launch ") for e in d.evidence)
+
+
+def test_graph_replay_is_not_offered_graph_capture_or_fusion(tmp_path):
+    d = diagnose_built(dt.graph_replay(), tmp_path)
+    assert d.analysis.fusion == []  # the replayed kernels form no sequence, whatever their names
+    assert not [f for f in d.fixes if f.action.startswith("capture the step in a CUDA graph")]
+    actions = {f.action: f.saving_us for f in d.fixes}
+    assert actions[REPLAY_HOST_FIX] == pytest.approx(121.0)
+    assert actions[OUTSIDE_GRAPH_FIX] == pytest.approx(7.0 + 82.0 + 91.0)  # the copies launched alone
+
+
+def _slow_host_memory_bound():
+    """4 kernels of 30 us (1M-element exp), launched 60 us apart: profiled, half the step waits for the host."""
+    b = dt.TraceBuilder()
+    b.step(0, 0.0, 240.0)
+    for k in range(4):
+        b.launch("aten::exp", 60.0 * k, 60.0 * k + 8, 30.0, [[1 << 20]], ["float"])
+    return b
+
+
+@pytest.mark.parametrize("builder, unprofiled_us", [(dt.graph_replay, 210.0), (_slow_host_memory_bound, 125.0)],
+                         ids=["graph replay", "eager"])
+def test_step_busy_without_the_profiler_is_memory_bound(tmp_path, builder, unprofiled_us):
+    analysis = analyze_file(builder().write(tmp_path / "t.json"), ceilings=STATED_CEILINGS)
+    assert verdict_for(analysis).verdict == "launch-bound"  # as profiled
+    d = verdict_for(analysis, unprofiled_us=unprofiled_us)
+    busy = analysis.steps[0].gpu_busy_us
+    assert d.verdict == "memory-bound", d.evidence
+    assert d.gpu_busy_pct == pytest.approx(100 * busy / unprofiled_us)
+    assert d.breakdown["memory"]["us"] == pytest.approx(busy)
+    assert sum(p["share"] for p in d.breakdown.values()) == pytest.approx(1.0)
+    assert sum(d.breakdown[p]["us"] for p in ("launch_gaps", "sync_stalls", "other_idle")) == pytest.approx(unprofiled_us - busy)
+    slowed = analysis.steps[0].wall_us / unprofiled_us
+    assert f"unprofiled, a step takes {unprofiled_us:.0f} us (the profiler slowed the host {slowed:.1f}x)" in " ".join(d.evidence)
+    # Graph capture can remove no more than the few us the unprofiled step idles.
+    assert all(f.saving_us <= unprofiled_us - busy + 1e-9 for f in d.fixes if "CUDA graph" in f.action)
+    assert d.to_dict()["unprofiled_us_per_step"] == unprofiled_us and d.wall_us_per_step == analysis.steps[0].wall_us
+
+
+def test_launch_bound_step_stays_launch_bound_without_the_profiler(tmp_path):
+    analysis = analyze_file(dt.launch_bound().write(tmp_path / "t.json"), ceilings=STATED_CEILINGS)
+    d = verdict_for(analysis, unprofiled_us=800.0)
+    assert d.verdict == "launch-bound"
+    assert d.gpu_busy_pct == pytest.approx(100 * 196 / 800)
+    assert d.breakdown["launch_gaps"]["us"] == pytest.approx(800.0 - 196.0)
+    # Graph capture can remove the idle of the unprofiled step, not the profiled 804 us.
+    assert "graphed" in d.fixes[0].action and d.fixes[0].saving_us == pytest.approx(604.0)
+
+
+def test_gpu_busy_is_capped_at_the_whole_step(tmp_path):
+    analysis = analyze_file(dt.graph_replay().write(tmp_path / "t.json"), ceilings=STATED_CEILINGS)
+    d = verdict_for(analysis, unprofiled_us=150.0)  # less than the 204 us of kernel time the profiler saw
+    assert d.gpu_busy_pct == 100.0 and d.breakdown["launch_gaps"]["us"] == 0.0
+
+
+@pytest.mark.parametrize("value", [0.0, -5.0, "283"])
+def test_unprofiled_time_must_be_positive(tmp_path, value):
+    analysis = analyze_file(dt.memory_bound().write(tmp_path / "t.json"), ceilings=STATED_CEILINGS)
+    with pytest.raises(ValueError, match="unprofiled_us must be"):
+        verdict_for(analysis, unprofiled_us=value)

@@ -1,6 +1,7 @@
 """`fuselab doctor` on the command line, its reports, and profiling (the host side runs on any machine)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -143,3 +144,21 @@ def test_flat_batch_test_makes_a_mostly_busy_step_launch_bound(tmp_path):
     flat = verdict_for(analysis, {"factor": 10, "ratio": 1.1})
     assert flat.verdict == "launch-bound" and any("10x the batch took 1.10x" in e for e in flat.evidence)
     assert verdict_for(analysis, {"factor": 10, "ratio": 9.0}).verdict == "memory-bound"
+
+
+def test_diagnose_judges_the_step_timed_without_the_profiler(tmp_path, monkeypatch):
+    # The GPU parts stubbed: the recorded trace is the graph replay, and the step times 210 us unprofiled.
+    import fuselab.doctor.profile as profile_module
+
+    timed = []
+
+    def bench(fn, **kwargs):
+        timed.append(kwargs)
+        return SimpleNamespace(median_us=210.0)
+
+    monkeypatch.setattr(profile_module, "has_cuda", lambda: True)
+    monkeypatch.setattr(profile_module, "record_trace", lambda fn, path, **kw: dt.graph_replay().write(path))
+    monkeypatch.setattr(profile_module, "bench", bench)
+    d = diagnose(lambda: None, ceilings=STATED_CEILINGS, progress=False)
+    assert timed == [{"warmup_ms": 10, "rep_ms": profile_module.UNPROFILED_REP_MS, "flush_l2": False}]
+    assert d.unprofiled_us_per_step == 210.0 and d.verdict == "memory-bound"

@@ -13,7 +13,11 @@ ranges) is the profiler's. Idle time during which the profiler itself held the h
 - launch gap: the GPU waited for the host: the call that launched the next kernel was still
   being made when the GPU went idle;
 - other idle: the next kernel had been queued before the gap began (stream dependencies, the
-  GPU's own scheduling between back-to-back kernels).
+  GPU's own scheduling between back-to-back kernels), or it belongs to a CUDA graph replay that
+  had already begun: the replay's kernels were all queued by its one graph launch.
+
+Kernels replayed from a CUDA graph have no launch of their own, so launch delays are measured on
+individually launched work only, and the sequences offered for fusion are made of it alone.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ class StepStats:
     compute_us: float  # busy time in compute-bound kernels
     memory_us: float  # busy time in memory-bound kernels and copies
     launch_gap_us: float
+    graph_launch_gap_us: float  # the part of launch_gap_us spent waiting for a graph replay to be launched
     sync_stall_us: float
     other_idle_us: float
     launches: int
     launches_per_s: float
-    launch_delay_us: dict[str, float]
+    launch_delay_us: dict[str, float]  # over individually launched work
+    median_launched_kernel_us: float  # over kernels launched one by one, not replayed from a graph
+    graph_launches: int
+    graph_kernels: int  # kernels replayed by those graph launches
     syncs: int
     sync_blocked_us: float
 
@@ -68,6 +76,7 @@ class Analysis:
     syncs: list[list[Sync]]  # per step
     gaps: list[list[tuple[float, float, str]]]  # per step: (start, end, "launch" | "sync" | "other" | "profiler")
     costs: list[KernelCost]  # aligned with trace.gpu
+    replayed: list[bool]  # aligned with trace.gpu: replayed from a CUDA graph
     fusion: list[FusionCandidate] = field(default_factory=list)
 
 
@@ -118,9 +127,18 @@ def _assign_to_steps(trace: Trace, steps: list[Span], call_of: dict[int, Runtime
     return members
 
 
+def _graph_replayed(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool]:
+    """Which GPU events a graph launch queued: linked to a cudaGraphLaunch call, or marked as a graph node."""
+    out = []
+    for g in trace.gpu:
+        call = call_of.get(g.correlation)
+        out.append(g.graph_node is not None or (call is not None and call.launches_graph))
+    return out
+
+
 def _step_stats(
     trace: Trace, step: Span, indices: list[int], call_of: dict[int, RuntimeCall], costs: list[KernelCost],
-    syncs: list[Sync], sync_copies: set[int], gap_list: list[tuple[float, float, str]],
+    replayed: list[bool], syncs: list[Sync], sync_copies: set[int], gap_list: list[tuple[float, float, str]],
 ) -> StepStats:
     events = [trace.gpu[i] for i in indices]
     host_end = _workload_host_end(trace, step)
@@ -129,13 +147,21 @@ def _step_stats(
     end = max([host_end] + [g.end for g in events])
     sync_ends = sorted(s.end for s in syncs)
     gaps = {"launch": 0.0, "sync": 0.0, "other": 0.0, "profiler": 0.0}
+    graph_launch_gap = 0.0
+    replays_begun: set[int | None] = set()  # correlation ids of the graph launches whose kernels have started
 
     def classify(g0: float, g1: float, next_index: int | None) -> None:
+        nonlocal graph_launch_gap
         if g1 <= g0:
             return
         pos = bisect.bisect_left(sync_ends, g0)
+        next_replayed = next_index is not None and replayed[next_index]
         if (pos < len(sync_ends) and sync_ends[pos] <= g1) or next_index in sync_copies:
             kind = "sync"
+        elif next_replayed and trace.gpu[next_index].correlation in replays_begun:
+            # Inside a replay the GPU runs the graph's own schedule; the launch call (which the
+            # profiler can keep in progress for the whole replay) is not what it waits for.
+            kind = "other"
         else:
             call = call_of.get(trace.gpu[next_index].correlation) if next_index is not None else None
             # The GPU waited for the host when the launch was still in progress as it went idle; a
@@ -144,12 +170,16 @@ def _step_stats(
         for p0, p1, by_profiler in _split_off_overhead(g0, g1, trace.profiler_overhead):
             gaps["profiler" if by_profiler else kind] += p1 - p0
             gap_list.append((p0, p1, "profiler" if by_profiler else kind))
+            if kind == "launch" and next_replayed and not by_profiler:
+                graph_launch_gap += p1 - p0
 
     busy = 0.0
     cursor = step.ts
     for i, g in zip(indices, events):
         if g.ts > cursor:
             classify(cursor, g.ts, i)
+        if replayed[i]:
+            replays_begun.add(g.correlation)
         busy += max(0.0, g.end - max(g.ts, cursor))
         cursor = max(cursor, g.end)
     classify(cursor, end, None)
@@ -159,21 +189,27 @@ def _step_stats(
     for i in indices:
         by_bound[costs[i].bound] += costs[i].dur_us
     scale = busy / sum(by_bound.values()) if sum(by_bound.values()) > 0 else 0.0  # streams may overlap
-    delays = [g.ts - call_of[g.correlation].ts for g in events if g.correlation in call_of]
-    launches = len({g.correlation for g in events if g.correlation in call_of})
+    launched = [not replayed[i] for i in indices]
+    launched_kernel_durs = [g.dur for g, own in zip(events, launched) if own and g.kind == "kernel"]
+    # A replayed kernel's delay from the graph launch is its place in the graph, not launch latency.
+    delays = [g.ts - call_of[g.correlation].ts for g, own in zip(events, launched) if own and g.correlation in call_of]
+    launches = len({g.correlation for g in events if g.correlation in call_of})  # a graph launch counts once
+    graph_launches = len({g.correlation for g, own in zip(events, launched) if not own})
     wall = end - step.ts - gaps["profiler"]
     return StepStats(
         name=step.name, start=step.ts, end=end, host_us=host_us, wall_us=wall, profiler_us=gaps["profiler"], gpu_busy_us=busy,
         gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs), copies=len(events) - len(kernel_durs),
         median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
         compute_us=by_bound["compute"] * scale, memory_us=by_bound["memory"] * scale,
-        launch_gap_us=gaps["launch"], sync_stall_us=gaps["sync"], other_idle_us=gaps["other"],
+        launch_gap_us=gaps["launch"], graph_launch_gap_us=graph_launch_gap, sync_stall_us=gaps["sync"], other_idle_us=gaps["other"],
         launches=launches, launches_per_s=launches / host_us * 1e6 if host_us > 0 else 0.0,
         launch_delay_us={
             "median": statistics.median(delays) if delays else 0.0,
             "p90": _quantile(delays, 0.9) if delays else 0.0,
             "max": max(delays) if delays else 0.0,
         },
+        median_launched_kernel_us=statistics.median(launched_kernel_durs) if launched_kernel_durs else 0.0,
+        graph_launches=graph_launches, graph_kernels=len(kernel_durs) - len(launched_kernel_durs),
         syncs=len(syncs), sync_blocked_us=sum(s.blocked_us for s in syncs),
     )
 
@@ -204,6 +240,7 @@ def analyze(
         call = call_of.get(g.correlation)
         op_of[i] = trace.op_for(g.external_id or (call.external_id if call else None))
     costs = kernel_costs(trace.gpu, op_of, ceilings)
+    replayed = _graph_replayed(trace, call_of)
 
     report("syncs")
     all_syncs = find_syncs(trace)
@@ -221,14 +258,14 @@ def analyze(
         per_step_syncs.append(all_syncs[lo:hi])
     gaps: list[list[tuple[float, float, str]]] = [[] for _ in steps]
     stats = [
-        _step_stats(trace, step, idx, call_of, costs, step_syncs, sync_copies, step_gaps)
+        _step_stats(trace, step, idx, call_of, costs, replayed, step_syncs, sync_copies, step_gaps)
         for step, idx, step_syncs, step_gaps in zip(steps, members, per_step_syncs, gaps)
     ]
 
     report("fusion candidates")
     labels = [kernel_label(g, op_of[i]) for i, g in enumerate(trace.gpu)]
-    fusion = fusion_candidates(members, trace.gpu, labels)
-    return Analysis(trace, ceilings, stats, members, per_step_syncs, gaps, costs, fusion)
+    fusion = fusion_candidates(members, trace.gpu, labels, replayed)
+    return Analysis(trace, ceilings, stats, members, per_step_syncs, gaps, costs, replayed, fusion)
 
 
 def analyze_file(

@@ -5,6 +5,8 @@ chain of them that one kernel could do (an unfused RMSNorm runs pow -> mean -> a
 mul -> mul) pays both n times. Sequences are n-grams of kernel labels (the launching op's name, or
 the kernel's short name) within runs of consecutive fusable kernels on one stream of one step;
 matrix multiplies, attention and copies break a run, since no elementwise kernel absorbs them.
+Kernels replayed from a CUDA graph break a run too: their launches are already gone, and a
+graph's node list (GEMMs and fused kernels alike, named only by kernel) says too little to fuse by.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from fuselab.doctor.trace import CpuOp, GpuEvent
 MIN_LENGTH, MAX_LENGTH = 2, 10
 TOP = 5
 _UNFUSABLE_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_mm", "convolution", "conv2d"} | ATTENTION_BHLE | ATTENTION_BLHE
-_UNFUSABLE_KERNELS = re.compile(r"gemm|xmma|cutlass|wgmma|flash|fmha|conv", re.IGNORECASE)
+# "nvjet": cuBLAS's GEMM kernels on Hopper, named without "gemm".
+_UNFUSABLE_KERNELS = re.compile(r"gemm|xmma|cutlass|wgmma|nvjet|flash|fmha|conv", re.IGNORECASE)
 _TEMPLATE = re.compile(r"<[^<>]*>")
 
 SMALL_KERNEL_US = 10.0  # below this a kernel's cost is mostly its launch, which a CUDA graph removes
@@ -96,11 +99,13 @@ def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool])
     return runs
 
 
-def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: list[str]) -> list[FusionCandidate]:
-    """The most time-consuming recurring sequences, longest first among overlapping ones, at most TOP."""
+def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: list[str],
+                      replayed: list[bool]) -> list[FusionCandidate]:
+    """The most time-consuming recurring sequences of individually launched kernels, longest first among
+    overlapping ones, at most TOP."""
     vocabulary: dict[str, int] = {}
     ids = [vocabulary.setdefault(label, len(vocabulary)) for label in labels]
-    fusable = [_fusable(e, label) for e, label in zip(events, labels)]
+    fusable = [_fusable(e, label) and not from_graph for e, label, from_graph in zip(events, labels, replayed)]
     counts: Counter = Counter()
     span_us: Counter = Counter()
     kernel_us: Counter = Counter()

@@ -11,7 +11,7 @@ import html
 import os
 import statistics
 
-from fuselab.doctor.report import PART_NAMES
+from fuselab.doctor.report import PART_NAMES, step_time
 from fuselab.doctor.syncs import SYNC_APIS
 from fuselab.doctor.verdict import Diagnosis
 
@@ -105,7 +105,7 @@ def write_html(diagnosis: Diagnosis, path: str | os.PathLike) -> None:
 <style>body{{font-family:sans-serif;margin:2em;max-width:1150px}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ddd;padding:3px 8px;text-align:right}} td:first-child{{text-align:left}}</style></head>
 <body><h1>fuselab doctor: {html.escape(d.verdict)}</h1>
-<p>{d.steps} steps, {d.wall_us_per_step:.0f} us per step, GPU busy {d.gpu_busy_pct:.0f}%,
+<p>{d.steps} steps, {step_time(d)}, GPU busy {d.gpu_busy_pct:.0f}%,
 {d.kernels_per_step:g} kernels and {d.syncs_per_step:g} syncs per step.</p>
 <h2>evidence</h2><ul>{evidence}</ul>
 <h2>where a step's time goes</h2>{breakdown_svg(d)}

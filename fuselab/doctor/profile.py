@@ -26,6 +26,7 @@ from fuselab.doctor.verdict import Diagnosis, verdict_for
 from fuselab.timing import bench
 
 BATCH_FACTOR = 10
+UNPROFILED_REP_MS = 50.0  # enough repetitions for a stable median of a step, without doubling the run
 
 
 class _Session:
@@ -152,8 +153,10 @@ def diagnose(
 ) -> Diagnosis:
     """Profile `fn()` (one step of a GPU workload) and say what bounds it: launch, sync, memory or compute.
 
-    `batch_scale(k)`, when given, returns a callable that runs the workload at k times its batch;
-    the step is then also timed at 1x and 10x (nearly unchanged time means a fixed cost per step).
+    The step is also timed without the profiler, which slows host code several times over, and is
+    judged at that speed. `batch_scale(k)`, when given, returns a callable that runs the workload at
+    k times its batch; the step is then also timed at 1x and 10x (nearly unchanged time means a
+    fixed cost per step).
     `ceilings` is a `Ceilings`, a `fuselab probe` JSON path, or None for this machine's cached probe
     (else the stated table).
     """
@@ -172,11 +175,14 @@ def diagnose(
         path = record_trace(fn, Path(tmp) / "trace.json", steps=steps, warmup=warmup,
                             on_step=lambda i, n: bar.update(task, completed=i, description=f"profiling step {i}/{n}"))
         analysis = analyze_file(path, ceilings=roofline, on_stage=lambda s: bar.update(task, description=f"analyzing: {s}"))
+        bar.update(task, description="timing without the profiler")
+        # No L2 flush: the profiled steps ran on a warm cache too, so the kernel time compares.
+        unprofiled = bench(fn, warmup_ms=10, rep_ms=UNPROFILED_REP_MS, flush_l2=False).median_us
         test = None
         if batch_scale is not None:
             bar.update(task, description=f"timing at 1x and {BATCH_FACTOR}x the batch")
             test = batch_test(batch_scale)
-    return verdict_for(analysis, test)
+    return verdict_for(analysis, test, unprofiled_us=unprofiled)
 
 
 def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str | os.PathLike,

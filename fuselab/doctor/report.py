@@ -20,10 +20,17 @@ def _bar(share: float, width: int = 30) -> str:
     return "█" * round(share * width)
 
 
+def step_time(d: Diagnosis) -> str:
+    """The step time the verdict judged, with the profiled one beside it when the step was also timed unprofiled."""
+    if d.unprofiled_us_per_step is None:
+        return f"{d.wall_us_per_step:.0f} us per step"
+    return f"{d.unprofiled_us_per_step:.0f} us per step ({d.wall_us_per_step:.0f} us profiled)"
+
+
 def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     console = console or Console()
     d = diagnosis
-    console.print(f"verdict: [{VERDICT_STYLE[d.verdict]}]{d.verdict}[/]  ({d.steps} steps, {d.wall_us_per_step:.0f} us per step, "
+    console.print(f"verdict: [{VERDICT_STYLE[d.verdict]}]{d.verdict}[/]  ({d.steps} steps, {step_time(d)}, "
                   f"GPU busy {d.gpu_busy_pct:.0f}%)")
     for line in d.evidence:
         console.print(f"  • {line}")

@@ -9,6 +9,8 @@ recorded), "user_annotation" (record_function ranges, including "ProfilerStep#N"
 for milliseconds inside whatever op was running; not the workload's time). A host API
 call and the GPU work it queued share args["correlation"]; a CPU op and the calls made inside it
 share args["External id"]. Flow events (ph "s"/"f", cat "ac2g") repeat the call-to-kernel links.
+A CUDA graph replay is one runtime call (cudaGraphLaunch) whose correlation id every kernel of the
+replay carries; some versions also give those kernels args["graph node id"].
 
 Times are microseconds, as in the file.
 """
@@ -30,6 +32,7 @@ PROFILER_OVERHEAD_CATEGORY = "overhead"
 KINETO_CATEGORIES = (set(GPU_CATEGORIES) | RUNTIME_CATEGORIES | CPU_OP_CATEGORIES
                      | {"python_function", "user_annotation", PROFILER_OVERHEAD_CATEGORY})
 STEP_PREFIX = "ProfilerStep#"
+GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")  # runtime and driver names, with or without a version suffix
 
 
 @dataclass(slots=True)
@@ -44,6 +47,7 @@ class GpuEvent:
     stream: int
     correlation: int | None
     external_id: int | None
+    graph_node: int | None = None  # set when the event was replayed from a CUDA graph (not every version records it)
 
     @property
     def end(self) -> float:
@@ -68,6 +72,10 @@ class RuntimeCall:
     @property
     def end(self) -> float:
         return self.ts + self.dur
+
+    @property
+    def launches_graph(self) -> bool:
+        return self.name.startswith(GRAPH_LAUNCH_CALLS)
 
 
 @dataclass(slots=True)
@@ -260,7 +268,7 @@ def parse_events(events: list, source: str = "<events>") -> Trace:
             trace.gpu.append(GpuEvent(
                 name, GPU_CATEGORIES[cat], ts, dur, _as_int(args.get("device", e.get("pid"))) or 0,
                 _as_int(args.get("stream", e.get("tid"))) or 0, _as_int(args.get("correlation")),
-                _as_int(args.get("External id")),
+                _as_int(args.get("External id")), _as_int(args.get("graph node id")),
             ))
         elif cat in RUNTIME_CATEGORIES:
             trace.runtime.append(RuntimeCall(name, ts, dur, tid, _as_int(args.get("correlation")), _as_int(args.get("External id"))))
