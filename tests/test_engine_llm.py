@@ -12,6 +12,7 @@ import torch
 import fuselab
 from engine_checkpoints import build_hf_model, save_checkpoint
 from fuselab.engine import LLM, SamplingParams
+from fuselab.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -80,6 +81,32 @@ def test_stop_token_ends_a_request_and_is_kept(llm):
     stop = tokens[3]
     out = llm.generate([7, 8, 9], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]))[0]
     assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(stop) + 1]
+
+
+def test_padded_decode_rows_store_nothing_and_change_no_real_row(llm):
+    """A CUDA-graph bucket pads a batch with rows of slot -1 and context 0: they must leave the KV
+    cache and the real rows' logits as they are."""
+    seq = Sequence(0, [3, 4, 5, 6], SamplingParams(temperature=0), seed=0)
+    block_manager = llm.scheduler.block_manager
+    block_manager.allocate(seq)
+    try:
+        llm.runner.compute_logits([seq], is_prefill=True)
+        seq.append_token(7)
+        block_manager.append(seq)
+        with torch.inference_mode():
+            alone, _ = llm.runner.decode_forward(llm.runner.prepare_decode([seq], rows=1))
+            cache = [k.clone() for k in llm.kv_cache.k]
+            padded, tokens = llm.runner.decode_forward(llm.runner.prepare_decode([seq], rows=8))
+        # A GEMM of another row count may round differently: close, not equal.
+        assert padded.shape[0] == tokens.shape[0] == 8 and torch.allclose(padded[:1], alone, atol=1e-5)
+        slot = seq.block_table[0] * llm.kv_cache.block_size + 4  # the real row's token, rewritten
+        for before, after in zip(cache, llm.kv_cache.k):
+            before, after = before.flatten(0, 1).clone(), after.flatten(0, 1)
+            assert torch.allclose(before[slot], after[slot], atol=1e-5)
+            before[slot] = after[slot]
+            assert torch.equal(before, after)
+    finally:
+        block_manager.free(seq)
 
 
 def test_output_stops_at_max_model_len(llm):

@@ -134,3 +134,51 @@ def test_abort_frees_blocks_and_queues():
     s.schedule()
     s.abort([a, b])
     assert not s.has_unfinished() and s.block_manager.num_free_blocks == 2
+
+
+# The engine launches step t+1 before it reads step t's tokens: the runner counts a launched
+# token as in flight (seq.num_inflight += 1) and postprocess reads it a step later.
+
+
+def test_in_flight_tokens_are_decoded_and_a_sequence_at_its_length_is_not_decoded_again():
+    s = _scheduler()
+    seq = _seq(0, 3, max_tokens=2)
+    s.add(seq)
+    s.schedule()  # prefill
+    seq.num_inflight += 1
+    batch, is_prefill = s.schedule()
+    assert batch == [seq] and not is_prefill and seq.num_tokens == 4  # feeds the token still in flight
+    seq.num_inflight += 1
+    assert s.schedule() == ([], False)  # the two tokens in flight are its max_tokens
+    s.postprocess([seq], [5])
+    s.postprocess([seq], [6])
+    assert seq.finish_reason == "length" and seq.output_token_ids == [5, 6] and seq.num_inflight == 0
+    assert not s.has_unfinished() and s.block_manager.num_free_blocks == 8
+
+
+def test_the_token_of_the_step_after_a_stop_is_dropped():
+    s = _scheduler()
+    seq = _seq(0, 3, max_tokens=8)
+    s.add(seq)
+    s.schedule()
+    seq.num_inflight += 1
+    s.schedule()  # scheduled again before the host has read the end-of-sequence token
+    seq.num_inflight += 1
+    assert s.postprocess([seq], [0]) == [seq]
+    assert s.postprocess([seq], [9]) == []
+    assert seq.output_token_ids == [0] and seq.finish_reason == "stop" and s.block_manager.num_free_blocks == 8
+
+
+def test_a_sequence_preempted_with_its_last_token_in_flight_finishes_from_the_waiting_queue():
+    s = _scheduler(num_blocks=2, block_size=4)
+    a, b = _seq(0, 4), _seq(1, 4, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    batch, _ = s.schedule()  # prefill, a block each
+    for seq in batch:
+        seq.num_inflight += 1
+    batch, _ = s.schedule()  # a's fifth token needs a second block: b, the newest, is preempted
+    assert batch == [a] and list(s.waiting) == [b]
+    s.postprocess([a, b], [7, 7])
+    assert b.status is SequenceStatus.FINISHED and b.output_token_ids == [7] and not s.waiting
+    assert list(s.running) == [a]

@@ -76,11 +76,11 @@ class BlockManager:
         seq.block_table = [self.free_blocks.popleft() for _ in range(need)]
 
     def can_append(self, seq: Sequence) -> bool:
-        """Room for the KV of seq's newest token, the one the next decode step feeds."""
-        return self.blocks_needed(len(seq)) - len(seq.block_table) <= len(self.free_blocks)
+        """Room for the KV of seq's newest token (perhaps still in flight), the one the next decode step feeds."""
+        return self.blocks_needed(seq.num_tokens) - len(seq.block_table) <= len(self.free_blocks)
 
     def append(self, seq: Sequence) -> None:
-        while len(seq.block_table) < self.blocks_needed(len(seq)):
+        while len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             if not self.free_blocks:
                 raise RuntimeError(f"no free block for sequence {seq.seq_id}")
             seq.block_table.append(self.free_blocks.popleft())

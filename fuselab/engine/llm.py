@@ -18,11 +18,11 @@ from fuselab.device import default_device, has_cuda
 from fuselab.engine.config import PRESETS, ModelConfig
 from fuselab.engine.kv_cache import BlockManager, KVCache, num_blocks_for_memory
 from fuselab.engine.model import build_model
-from fuselab.engine.runner import ModelRunner
+from fuselab.engine.runner import ModelRunner, StepOutput
 from fuselab.engine.sampler import Sampler
 from fuselab.engine.sampling_params import SamplingParams
 from fuselab.engine.scheduler import Scheduler
-from fuselab.engine.sequence import RequestOutput, Sequence
+from fuselab.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from fuselab.engine.tokenizer import load_tokenizer
 from fuselab.engine.weights import init_random, load_checkpoint
 from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS
@@ -49,9 +49,10 @@ class LLM:
 
     model: a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json if
     any) or a preset with random weights: "tiny", "llama3-1b", "llama3-8b", "qwen3-0.6b".
-    mode: "eager" (torch ops), "fused" (fuselab's Triton kernels) or "graphs" (for now the same as
-    "fused"; decode replayed from CUDA graphs comes next). Without a GPU, "graphs" runs "eager",
-    and "fused" runs through Triton's interpreter (slow: tiny models only).
+    mode: "eager" (torch ops), "fused" (fuselab's Triton kernels) or "graphs" (fused, with each
+    decode step replayed from a CUDA graph captured per batch-size bucket up to max_num_seqs, at
+    construction). Without a GPU, "graphs" runs "eager", and "fused" runs through Triton's
+    interpreter (slow: tiny models only).
     dtype: default bfloat16 on a GPU (float16 if the checkpoint is), float32 on the CPU.
     The KV cache takes kv_cache_memory_fraction of the GPU memory left free by the weights
     (num_kv_blocks overrides it); max_model_len (default min(4096, the model's)) bounds
@@ -110,7 +111,9 @@ class LLM:
         self.kv_cache = KVCache(config, num_kv_blocks, block_size, self.dtype, self.device)
         self.scheduler = Scheduler(BlockManager(num_kv_blocks, block_size), max_num_seqs, max_num_batched_tokens,
                                    max_model_len, config.eos_token_ids + _generation_eos(model_dir))
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device, max_num_seqs,
+                                  cuda_graphs=self.mode == "graphs")
+        self._in_flight: StepOutput | None = None  # the step the GPU may still be running
         self._next_seq_id = 0
 
     # ---------------------------------------------------------------------------------------
@@ -150,10 +153,7 @@ class LLM:
             self.scheduler.add(seq)
         try:
             while self.scheduler.has_unfinished():
-                batch, is_prefill = self.scheduler.schedule()
-                tokens = self.runner.run(batch, is_prefill)
-                self.scheduler.postprocess(batch, tokens)
-                for seq, token in zip(batch, tokens):
+                for seq, token in self._step():
                     delta = None
                     if with_text:
                         # Decoding the whole output each time keeps multi-byte characters whole.
@@ -162,6 +162,23 @@ class LLM:
                     yield StreamToken(seq.seq_id - first_id, token, delta, seq.finish_reason)
         finally:
             self.scheduler.abort(seqs)
+            # Its tokens belong to finished or dropped requests; its KV writes land in freed blocks
+            # before any later step's, in stream order.
+            self._in_flight = None
+
+    def _step(self) -> list[tuple[Sequence, int]]:
+        """Launch the next step, then read the tokens of the one before it: the GPU runs step t
+        while the host schedules step t+1, so it never waits for the host. Returns the tokens
+        read, less those of sequences that stopped a step earlier."""
+        batch, is_prefill = self.scheduler.schedule()
+        launched = self.runner.launch(batch, is_prefill) if batch else None
+        done, self._in_flight = self._in_flight, launched
+        if done is None:
+            return []
+        tokens = done.token_ids()
+        kept = [(seq, token) for seq, token in zip(done.seqs, tokens) if seq.status is not SequenceStatus.FINISHED]
+        self.scheduler.postprocess(done.seqs, tokens)
+        return kept
 
     def _make_sequences(self, prompts, sampling_params) -> list[Sequence]:
         """Validate every prompt and parameter before any work, then wrap them as Sequences."""

@@ -171,9 +171,11 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.ops.rms_norm(h, self.model.norm.weight, self.model.norm.eps, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [T, vocab]; into `out` when given (the cast to float32 is then the copy)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if out is None else out.copy_(logits)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,

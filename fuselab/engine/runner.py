@@ -1,33 +1,99 @@
 """ModelRunner: turns a scheduled batch into the model's tensors, runs prefill or decode, samples.
 
-Batch tensors are built on the host and copied to the device without blocking. A decode batch
-has fixed-width block tables (enough blocks for max_model_len), so its tensors' shapes depend on
-the batch size only: what a captured decode graph per batch bucket needs.
+Nothing here waits for the GPU. Batch tensors are built on the host in pinned memory and copied
+to the device without blocking. Sampled tokens stay on the device: the next decode step reads its
+input ids from them (`last_tokens`), and their copy to the host is queued behind the step
+(`StepOutput`), so the host schedules step t+1 while the GPU runs step t, and reads step t's
+tokens after.
+
+In `graphs` mode the decode step (the model on one token per sequence, the logits, the greedy
+pick) replays a CUDA graph per batch-size bucket (DecodeGraphs) over static input buffers; prefill
+runs eagerly in every mode. A decode batch has fixed-width block tables (enough blocks for
+max_model_len), so its shapes depend on the batch size only.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from fuselab.engine.cuda_graphs import DecodeGraphs
 from fuselab.engine.kv_cache import KVCache
 from fuselab.engine.model import AttentionMetadata, LlamaForCausalLM
 from fuselab.engine.sampler import Sampler, SamplingBatch
 from fuselab.engine.sequence import Sequence
+from fuselab.graphs import default_buckets
+
+
+class DecodeInputs(NamedTuple):
+    """One decode step's inputs, a row per sequence; padding rows have slot -1 and context 0."""
+
+    input_ids: torch.Tensor  # [B] int64; -1: the token is still on the device, at last_tokens[prev_rows]
+    prev_rows: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32, the new token included
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+
+    def rows(self, n: int) -> "DecodeInputs":
+        return DecodeInputs(*(t[:n] for t in self))
+
+
+class StepOutput:
+    """A launched step's sampled tokens: on the device now, on the host once `token_ids()` returns."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, pin: bool) -> None:
+        self.seqs = seqs
+        self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=pin)
+        self._host.copy_(tokens, non_blocking=True)
+        self._ready = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def token_ids(self) -> list[int]:
+        # Waits for this step only, never for the one queued behind it; a step the GPU has already
+        # finished costs no blocking call at all.
+        if self._ready is not None and not self._ready.query():
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 max_num_seqs: int, cuda_graphs: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
         self.max_blocks_per_seq = -(-model.max_model_len // kv_cache.block_size)
-        # Pinned host memory lets the copies to the GPU run asynchronously.
+        # Pinned host memory lets the copies between host and GPU run asynchronously.
         self._pin = device.type == "cuda"
+        # The latest step's sampled tokens, and each of its sequences' row there: the next decode
+        # step feeds them without the host having read them.
+        self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        self._last_rows: dict[int, int] = {}
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self._static = self._decode_inputs_on_device([], max_num_seqs)
+            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, device=device)
+            self.graphs = DecodeGraphs(
+                lambda bucket: self.decode_forward(self._static.rows(bucket), self._static_logits[:bucket]),
+                default_buckets(max_num_seqs), device)
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    # ---------------------------------------------------------------------------------------
+    # Inputs
+    # ---------------------------------------------------------------------------------------
+
+    def _pinned(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self._pin)
 
     def _to_device(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
+        return self._pinned(data, dtype).to(self.device, non_blocking=True)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -50,32 +116,74 @@ class ModelRunner:
         last = self._to_device([end - 1 for end in cu_seqlens[1:]], torch.int64)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), attn, last
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) for each sequence's newest token."""
-        positions = [len(s) - 1 for s in seqs]
-        tables = [s.block_table + [0] * (self.max_blocks_per_seq - len(s.block_table)) for s in seqs]
-        attn = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._to_device([self._slot(s, p) for s, p in zip(seqs, positions)]),
-            block_tables=self._to_device(tables),
-            seq_lens=self._to_device([len(s) for s in seqs]),
+    def prepare_decode(self, seqs: list[Sequence], rows: int) -> DecodeInputs:
+        """Pinned host tensors of `rows` rows for each sequence's newest token (perhaps still in
+        flight), rows past len(seqs) padded."""
+        pad = rows - len(seqs)
+        positions = [s.num_tokens - 1 for s in seqs]
+        tables = torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=self._pin)
+        view = tables.numpy()  # filled a row at a time: far cheaper than a tensor from nested lists
+        for i, s in enumerate(seqs):
+            view[i, : len(s.block_table)] = s.block_table
+        return DecodeInputs(
+            input_ids=self._pinned([-1 if s.num_inflight else s.last_token for s in seqs] + [0] * pad, torch.int64),
+            prev_rows=self._pinned([self._last_rows[s.seq_id] if s.num_inflight else 0 for s in seqs] + [0] * pad,
+                                   torch.int64),
+            positions=self._pinned(positions + [0] * pad, torch.int64),
+            slot_mapping=self._pinned([self._slot(s, p) for s, p in zip(seqs, positions)] + [-1] * pad, torch.int32),
+            seq_lens=self._pinned([s.num_tokens for s in seqs] + [0] * pad, torch.int32),
+            block_tables=tables,
         )
-        return self._to_device([s.last_token for s in seqs], torch.int64), self._to_device(positions, torch.int64), attn
+
+    def _decode_inputs_on_device(self, seqs: list[Sequence], rows: int) -> DecodeInputs:
+        return DecodeInputs(*(t.to(self.device, non_blocking=True) for t in self.prepare_decode(seqs, rows)))
+
+    # ---------------------------------------------------------------------------------------
+    # Steps
+    # ---------------------------------------------------------------------------------------
+
+    def decode_forward(self, inputs: DecodeInputs, logits_out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 logits, greedy tokens) of one decode step; the step a CUDA graph holds."""
+        # A row whose token the host has not read yet takes it from the previous step's output.
+        input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
+        attn = AttentionMetadata(is_prefill=False, slot_mapping=inputs.slot_mapping,
+                                 block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
+        hidden = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
+        logits = self.model.compute_logits(hidden, logits_out)
+        return logits, logits.argmax(dim=-1)
+
+    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is None:
+            return self.decode_forward(self._decode_inputs_on_device(seqs, len(seqs)))
+        bucket = self.graphs.bucket_for(len(seqs))
+        for static, host in zip(self._static.rows(bucket), self.prepare_decode(seqs, bucket)):
+            static.copy_(host, non_blocking=True)
+        return self.graphs.replay(len(seqs))
 
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab] of the next token of each sequence; writes their KV."""
-        if is_prefill:
-            input_ids, positions, attn, last = self.prepare_prefill(seqs)
-        else:
-            input_ids, positions, attn = self.prepare_decode(seqs)
+        if not is_prefill:
+            return self._decode(seqs)[0]
+        input_ids, positions, attn, last = self.prepare_prefill(seqs)
         hidden = self.model(input_ids, positions, attn, self.kv_cache.k, self.kv_cache.v)
-        if is_prefill:
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[last])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        logits = self.compute_logits(seqs, is_prefill)
-        tokens = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.device))
-        return tokens.tolist()  # the step's one host sync
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
+        """Queue one step on the device and return at once; its tokens reach the host later."""
+        if is_prefill:
+            logits = self.compute_logits(seqs, is_prefill=True)
+            greedy = logits.argmax(dim=-1)
+        else:
+            logits, greedy = self._decode(seqs)
+        if all(s.params.greedy for s in seqs):
+            tokens = greedy
+        else:
+            tokens = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.device))
+        self.last_tokens[: len(seqs)].copy_(tokens)
+        self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
+        for s in seqs:
+            s.num_inflight += 1
+        return StepOutput(seqs, tokens, self._pin)

@@ -69,13 +69,15 @@ class SamplingBatch:
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> "SamplingBatch":
         params = [s.params for s in seqs]
+        # Pinned, so that the copies to the GPU queue behind its work instead of waiting for it.
+        pin = device.type == "cuda"
         host = dict(
-            temperature=torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32),
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64),
-            steps=torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64),
+            temperature=torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, pin_memory=pin),
+            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, pin_memory=pin),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, pin_memory=pin),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, pin_memory=pin),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, pin_memory=pin),
+            steps=torch.tensor([s.num_tokens - s.num_prompt_tokens for s in seqs], dtype=torch.int64, pin_memory=pin),
         )
         on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}
         return cls(**on_device, all_greedy=all(p.greedy for p in params))

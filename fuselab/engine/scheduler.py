@@ -5,6 +5,11 @@ once within a token budget, so new requests join as soon as there is room; other
 running sequence decodes one token. When the cache runs out of blocks during decode, the newest
 running sequence is preempted: its blocks are freed and it goes back to the front of the waiting
 queue, to be recomputed from its prompt and the tokens it already has. No request is dropped.
+
+The engine runs one step ahead of the tokens the host has read: step t+1 is scheduled while the
+GPU still runs step t, and `postprocess` sees step t's tokens after that. A sequence whose
+max_tokens or max_model_len will be reached by its in-flight token is not decoded again; one that
+samples a stop token runs one extra step, whose token `postprocess` drops.
 """
 
 from __future__ import annotations
@@ -50,9 +55,12 @@ class Scheduler:
         if batch:
             return batch, True
 
-        batch = []
+        batch, kept = [], []
         while self.running:
             seq = self.running.popleft()
+            if self._reaches_length(seq):  # its in-flight token is its last: it finishes when that is read
+                kept.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -62,12 +70,16 @@ class Scheduler:
             else:
                 self.block_manager.append(seq)
                 batch.append(seq)
-        self.running.extend(batch)
-        if not batch and self.waiting:
+                kept.append(seq)
+        self.running.extend(kept)
+        if not kept and self.waiting:
             # With nothing running every block is free, and the engine checked at start that the
             # longest sequence fits: a waiting sequence that still cannot start is a bug.
             raise RuntimeError(f"sequence {self.waiting[0].seq_id} cannot be scheduled on an idle engine")
         return batch, False
+
+    def _reaches_length(self, seq: Sequence) -> bool:
+        return seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -76,9 +88,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append each sequence's new token; finish and free those that are done. Returns them."""
+        """Append each sequence's new token; finish and free those that are done. Returns them.
+        Tokens of sequences that finished before this step's tokens were read are dropped."""
         finished = []
         for seq, token in zip(seqs, token_ids):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
             seq.append_token(token)
             params = seq.params
             if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
@@ -90,7 +105,9 @@ class Scheduler:
             self.block_manager.free(seq)
             finished.append(seq)
         if finished:
+            # A sequence preempted while its last token was in flight finishes from the waiting queue.
             self.running = deque(s for s in self.running if s.status is SequenceStatus.RUNNING)
+            self.waiting = deque(s for s in self.waiting if s.status is SequenceStatus.WAITING)
         return finished
 
     def abort(self, seqs: list[Sequence]) -> None:

@@ -40,12 +40,20 @@ class Sequence:
         self.seed = seed  # params.seed, or one drawn at arrival: every request samples from a seeded stream
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # Tokens sampled on the device whose values the host has not read yet: the host schedules
+        # a step ahead of the tokens it knows (0 or 1 between steps).
+        self.num_inflight = 0
         self.finish_reason: str | None = None
         self.arrival_time = time.perf_counter()
         self.token_times: list[float] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the KV cache and the next step see: those on the host and those still in flight."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -64,6 +72,8 @@ class Sequence:
         return self.token_ids[-1]
 
     def append_token(self, token_id: int) -> None:
+        """The host has read a token: it joins the sequence (an in-flight one stops being in flight)."""
+        self.num_inflight = max(0, self.num_inflight - 1)
         self.token_ids.append(token_id)
         self.token_times.append(time.perf_counter())
 
