@@ -32,6 +32,12 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
         "flash attention prefill TFLOP/s vs torch SDPA backends (flash, cuDNN, efficient), and paged decode "
         "attention GB/s vs SDPA over the gathered cache",
     ),
+    "decode": (
+        "fuselab.bench.decode",
+        "LLM decode on a Llama shape: transformers eager and static cache + torch.compile vs the fuselab engine in "
+        "eager, fused and graphs modes: tok/s, TTFT, inter-token latency, kernels per step, % of the bandwidth "
+        "roofline, and the doctor's breakdown of each mode's decode step",
+    ),
 }
 
 

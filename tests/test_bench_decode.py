@@ -1,0 +1,69 @@
+import argparse
+
+import pytest
+import torch
+
+from fuselab.bench import decode as bench_decode
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_decode.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_options_parse():
+    defaults = _args()
+    assert defaults.preset == "llama3-1b" and defaults.batch_sizes == [1] and defaults.prompt_len == 128
+    assert defaults.new_tokens == 256 and defaults.modes == list(bench_decode.MODES)
+    args = _args("--preset", "llama3-8b", "--batch-sweep", "--modes", "graphs,hf", "--no-hf", "--quick")
+    assert args.batch_sizes == [1, 8, 64, 256] and args.modes == ["hf", "graphs"] and args.no_hf and args.quick
+    assert _args("--batch-sizes", "8,1").batch_sizes == [1, 8]
+    with pytest.raises(SystemExit):
+        _args("--modes", "turbo")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_without_a_gpu_it_says_so_and_succeeds(capsys, tmp_path):
+    assert bench_decode.run(_args("--out", str(tmp_path))) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+def test_roofline_reads_every_weight_once_per_step():
+    # The reference figures: 1.24 B and 8.03 B parameters, ~1713 and ~264 tok/s at 4.23 TB/s, batch 1.
+    weights_1b, kv_1b = bench_decode.model_bytes("llama3-1b")
+    weights_8b, _ = bench_decode.model_bytes("llama3-8b")
+    assert round(weights_1b / 2e9, 2) == 1.24 and round(weights_8b / 2e9, 2) == 8.03
+    assert kv_1b == 2 * 16 * 8 * 64 * 2
+    assert bench_decode.roofline_tok_s("llama3-1b", 1, 0, 4230.0) == pytest.approx(1713, rel=0.01)
+    assert bench_decode.roofline_tok_s("llama3-8b", 1, 0, 4230.0) == pytest.approx(264, rel=0.01)
+    # A larger batch reads the weights once for all its rows.
+    assert bench_decode.roofline_tok_s("llama3-8b", 64, 256, 4230.0) > 50 * 264
+
+
+def _result() -> dict:
+    rows = [dict(mode=m, batch=b, decode_tok_s=100.0 * (i + 1), ttft_ms=12.0, itl_p50_ms=1.0, itl_p99_ms=2.0,
+                 kernels_per_step=200.0 / (i + 1), compile_s=None if m != "graphs" else 1.5, roofline_tok_s=1700.0 * b,
+                 bandwidth_pct=100 * 100.0 * (i + 1) / (1700.0 * b))
+            for i, m in enumerate(bench_decode.MODES) for b in (1, 8)]
+    parts = {p: {"us": 10.0, "share": 0.2} for p in bench_decode.BREAKDOWN}
+    doctor = {"graphs": dict(verdict="memory-bound", wall_us_per_step=700.0, kernels_per_step=180, syncs_per_step=0,
+                             gpu_busy_pct=95.0, breakdown=parts, first_fix=None)}
+    return {"header": {"date": "2026-12-01T00:00:00+00:00", "command": "fuselab bench decode",
+                       "device": dict(name="GPU", torch="2.11", triton="3.6", cuda="13.0", python="3.12")},
+            "config": dict(preset="llama3-1b", prompt_len=128, new_tokens=256, batch_sizes=[1, 8],
+                           modes=list(bench_decode.MODES), weight_bytes=2.47e9, mean_context=256,
+                           copy_bandwidth_gbs=4230.0, ceilings_source="stated", doctor_batch=1),
+            "rows": rows, "doctor": doctor}
+
+
+def test_markdown_plot_and_table_render(tmp_path, capsys):
+    result = _result()
+    bench_decode.write_markdown(result, tmp_path / "decode.md")
+    text = (tmp_path / "decode.md").read_text()
+    assert "| graphs | 8 | 500.0 | 4% |" in text and "memory-bound" in text and "`fuselab bench decode`" in text
+    bench_decode.write_plot(result, tmp_path / "decode.png")
+    assert (tmp_path / "decode.png").stat().st_size > 0
+    bench_decode.print_table(result)
+    assert "bandwidth achieved" in capsys.readouterr().out
