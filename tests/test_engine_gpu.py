@@ -1,5 +1,6 @@
 """The engine on a GPU at the llama3-1b preset's shape: greedy tokens equal transformers' in
-float32 in every mode, and bf16 logits as close to float32 truth as transformers' own bf16 are.
+float32 in every mode, and bf16 logits as close to float32 truth as transformers' own bf16 are;
+graphs mode replays its captured decode buckets and its decode step forces no host sync.
 
 Random weights, built with transformers from the preset's config dict and saved as a checkpoint
 (~5 GB in float32) once per module."""
@@ -123,3 +124,54 @@ def _state_dict_of(path, device: str) -> dict[str, torch.Tensor]:
     if "lm_head.weight" not in state:  # tied: transformers ties it back to the embedding
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def test_graphs_mode_replays_the_captured_decode_buckets(llama3_1b):
+    path, batch, _ = llama3_1b
+    llm = LLM(path, mode="graphs", dtype="bfloat16", max_num_seqs=8, **ENGINE_ARGS)
+    graphs = llm.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8] and graphs.replays == 0
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))  # 3 prompts: bucket 4
+    alone = llm.generate(batch[0], SamplingParams(temperature=0, max_tokens=NEW_TOKENS))  # bucket 1
+    # Every decode step replayed a graph: NEW_TOKENS - 1 per generate (the first token is the prefill's).
+    assert graphs.replays == 2 * (NEW_TOKENS - 1) and len(alone[0].token_ids) == NEW_TOKENS
+    del llm
+    release_memory()
+
+
+def test_graphs_and_fused_greedy_tokens_agree_with_sampling_mixed_in(llama3_1b):
+    """float32: a batch that mixes greedy and seeded sampling rows gives the same tokens replayed from
+    graphs (greedy picked inside the graph, sampling after it) as in fused mode."""
+    path, batch, _ = llama3_1b
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
+              SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=NEW_TOKENS),
+              SamplingParams(temperature=0, max_tokens=NEW_TOKENS)]
+    tokens = {}
+    for mode in ("fused", "graphs"):
+        llm = LLM(path, mode=mode, dtype="float32", max_num_seqs=4, **ENGINE_ARGS)
+        tokens[mode] = [o.token_ids for o in llm.generate(batch, params)]
+        del llm
+        release_memory()
+    assert tokens["graphs"] == tokens["fused"]
+
+
+def test_the_doctor_finds_no_host_sync_in_a_graphs_mode_decode_step(llama3_1b):
+    """Each step launches its decode and reads the tokens of the step before: no `.tolist()` of its
+    own output, no blocking copy, no synchronize. The doctor syncs between its steps, so the previous
+    step is done when the next reads it: any sync it records the step itself caused."""
+    from fuselab.doctor import diagnose
+
+    path, batch, _ = llama3_1b
+    llm = LLM(path, mode="graphs", dtype="bfloat16", max_num_seqs=1, **ENGINE_ARGS)
+    stream = llm.generate_stream(batch[0], SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
+    next(stream)
+    next(stream)  # decoding from here on
+    try:
+        d = diagnose(lambda: next(stream), steps=5, warmup=3, progress=False)
+    finally:
+        stream.close()
+    replays = llm.runner.graphs.replays
+    del llm
+    release_memory()
+    assert replays > 0 and d.kernels_per_step > 0
+    assert d.syncs_per_step == 0, d.to_dict()["syncs"]
