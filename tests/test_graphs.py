@@ -313,6 +313,33 @@ def _bench_result(with_compile: bool) -> dict:
     }
 
 
+def test_bench_graphs_modes_take_turns_in_rotated_order(monkeypatch):
+    from fuselab.bench import graphs as bench_graphs
+
+    order = []
+
+    class FakeResult:
+        def __init__(self, us):
+            self.median_us = us
+
+    def fake_bench(fn, rep_ms, flush_l2):
+        order.append(fn())
+        return FakeResult(10.0 * len(order))
+
+    monkeypatch.setattr(bench_graphs, "bench", fake_bench)
+    rounds = bench_graphs.interleaved_medians({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=3, rep_ms=30)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert rounds == {"a": [10.0, 60.0, 80.0], "b": [20.0, 40.0, 90.0], "c": [30.0, 50.0, 70.0]}
+
+
+def test_bench_graphs_table_shows_the_spread_of_rounds():
+    from fuselab.bench import graphs as bench_graphs
+
+    assert bench_graphs._time_cell({"median_us": 121.04, "rounds_us": [119.6, 121.04, 130.2]}) == "121.0 (120–130)"
+    assert bench_graphs._time_cell({"median_us": 121.04}) == "121.0"
+    assert bench_graphs._time_cell(None) == "—"
+
+
 @pytest.mark.parametrize("with_compile", [True, False])
 def test_bench_graphs_reports_a_result(tmp_path, capsys, with_compile):
     from fuselab.bench import graphs as bench_graphs

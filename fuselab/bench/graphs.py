@@ -17,6 +17,7 @@ launch cost this measures.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="B1,B2,...",
                         help="batch sizes to time (default 1,2,4,8,16,32,64); graphed captures buckets up to the largest")
     parser.add_argument("--rep-ms", type=float, default=200.0, help="measuring time per mode and batch size (default 200)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds the modes take turns in, each timing every mode for rep-ms/rounds; the table gives "
+                             "the median round and the spread (default 5)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compilation takes the longest)")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
                         help="folder for graphs.json, graphs.md and graphs.png (default benchmarks/results)")
@@ -81,6 +85,18 @@ def count_launches(fn: Callable[[], object]) -> dict[str, int]:
     kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
     launches = sum(1 for e in events if e.name.startswith(_LAUNCH_CALLS))
     return {"kernels": kernels, "launches": launches}
+
+
+def interleaved_medians(calls: dict[str, Callable[[], object]], rounds: int, rep_ms: float) -> dict[str, list[float]]:
+    """Per mode, the median time of each of `rounds` rounds; the modes take turns within a round, in an
+    order rotated every round, so that a slow spell of the machine (clocks, a neighbour) falls on all
+    of them rather than on whichever ran last."""
+    names = list(calls)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            out[name].append(bench(calls[name], rep_ms=rep_ms / rounds, flush_l2=False).median_us)
+    return out
 
 
 def _timed_first_calls(fn: Callable[[], object], calls: int = 3) -> float:
@@ -119,13 +135,14 @@ def measure(args: argparse.Namespace) -> dict:
             row["graphed_max_diff"] = _max_diff(fast(x), expected)
             row["compiled_max_diff"] = None if compiled is None else _max_diff(compiled(x).clone(), expected)
             row["graphed_compiled_max_diff"] = None if fast_compiled is None else _max_diff(fast_compiled(x), expected)
+            present = [m for m in MODES if calls[m] is not None]
+            rounds = interleaved_medians({m: (lambda call=calls[m]: call(x)) for m in present}, args.rounds, args.rep_ms)
             for mode in MODES:
-                call = calls[mode]
-                if call is None:
+                if mode not in present:
                     row[mode] = None
                     continue
-                result = bench(lambda: call(x), rep_ms=args.rep_ms, flush_l2=False)
-                row[mode] = {"median_us": result.median_us, **count_launches(lambda: call(x))}
+                row[mode] = {"median_us": statistics.median(rounds[mode]), "rounds_us": rounds[mode],
+                             **count_launches(lambda: calls[mode](x))}
             row["graphed_speedup"] = row["eager"]["median_us"] / row["graphed"]["median_us"]
             for mode in ("compiled", "graphed_compiled"):
                 row[f"{mode}_speedup"] = None if row[mode] is None else row["eager"]["median_us"] / row[mode]["median_us"]
@@ -140,7 +157,7 @@ def measure(args: argparse.Namespace) -> dict:
             "command": command_line(),
         },
         "config": {"layers": args.layers, "width": args.width, "dtype": args.dtype, "batch_sizes": args.batch_sizes,
-                   "rep_ms": args.rep_ms, "workload": f"{args.layers} x (Linear({args.width}, {args.width}) + SiLU)"},
+                   "rep_ms": args.rep_ms, "rounds": args.rounds, "workload": f"{args.layers} x (Linear({args.width}, {args.width}) + SiLU)"},
         "graphed": {"buckets": list(fast.stats.buckets), "capture_s": fast.stats.capture_s,
                     "held_bytes": fast.stats.held_bytes, "eager_calls": fast.stats.eager_calls},
         "compiled": None if compiled is None else {"sizes_recorded": len(compile_times), "compile_s": sum(compile_times)},
@@ -154,10 +171,19 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _time_cell(entry: dict | None) -> str:
+    """The median round, and the fastest and slowest rounds when there were several."""
+    if entry is None:
+        return "—"
+    rounds = entry.get("rounds_us", [])
+    spread = f" ({min(rounds):.0f}–{max(rounds):.0f})" if len(rounds) > 1 else ""
+    return f"{entry['median_us']:.1f}{spread}"
+
+
 def _table_rows(result: dict) -> list[list[str]]:
     out = []
     for r in result["rows"]:
-        times = [_fmt(r[m] and r[m]["median_us"], ".1f") for m in MODES]
+        times = [_time_cell(r[m]) for m in MODES]
         kernels = "/".join(_fmt(r[m] and r[m]["kernels"], "d") for m in MODES)
         launches = "/".join(_fmt(r[m] and r[m]["launches"], "d") for m in MODES)
         speedups = [_fmt(r[f"{m}_speedup"], ".1f") for m in MODES[1:]]
@@ -191,7 +217,8 @@ def write_markdown(result: dict, path: Path) -> None:
         f"- date: {h['date']}",
         f"- GPU: {d['name']} (torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}, Python {d['python']})",
         f"- command: `{h['command']}`",
-        f"- workload: {result['config']['workload']}, {result['config']['dtype']}; time per whole Python call (median); "
+        f"- workload: {result['config']['workload']}, {result['config']['dtype']}; time per whole Python call (median of "
+        f"{result['config'].get('rounds', 1)} rounds in which the modes take turns; fastest–slowest round in brackets); "
         "speedups over eager; kernels and host launch calls per call as eager/graphed/compiled/graphed(compile); compile s: "
         "torch.compile's first three calls at that size (compilation and graph recording)",
         *[f"- {line}" for line in _summary_lines(result)],
