@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seq 4096 at head dim 128, decode batch 8 at contexts 4096 and 32768, shorter timing")
     parser.add_argument("--sweep", action="store_true",
                         help="also time candidate launch configs of the prefill forward (seq 4096) and decode "
-                             "(batch 8, context 8192) kernels per head dim, and report the fastest: the figures "
-                             "behind FORWARD_CONFIGS and DECODE_CONFIGS")
+                             "(batch 8, context 8192) kernels per head dim, and the decode split target "
+                             "(PROGRAMS_PER_SM, batch 8, contexts 4096 and 32768), and report the fastest: the figures "
+                             "behind FORWARD_CONFIGS, DECODE_CONFIGS and PROGRAMS_PER_SM; --only limits it to one half")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
                         help="folder for attention.json and attention.md (default benchmarks/results)")
 
@@ -234,11 +235,26 @@ def _time_configs(table: dict, key: int, candidates: list, step: Callable[[], ob
     return sorted(timed, key=lambda t: t["median_us"])
 
 
+def _time_programs_per_sm(workload: dict, timing: dict) -> list[dict]:
+    """Decode timed with each target of programs per SM (it sets the split count), fastest first."""
+    from fuselab.kernels import decode_attention, paged_attention
+
+    original, timed = paged_attention.PROGRAMS_PER_SM, []
+    try:
+        for per_sm in (2, 4, 8, 16):
+            paged_attention.PROGRAMS_PER_SM = per_sm
+            timed.append({"config": {"programs_per_sm": per_sm},
+                          "median_us": bench(lambda: decode_attention(**workload), **timing).median_us})
+    finally:
+        paged_attention.PROGRAMS_PER_SM = original
+    return sorted(timed, key=lambda t: t["median_us"])
+
+
 def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
     from fuselab.kernels import _flash_common, decode_attention, flash_attention, paged_attention
 
     dtype, seq, out = DTYPES[args.dtype], 4096, []
-    for head_dim in args.head_dims:
+    for head_dim in args.head_dims if args.only != "decode" else ():
         batch, heads = PREFILL_TOKENS // seq, PREFILL_WIDTH // head_dim
         q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
         for causal in (True, False):
@@ -249,12 +265,20 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
                         "current": _flash_common.FORWARD_CONFIGS[head_dim]._asdict(),
                         "best": [{**t, "tflops": flops / t["median_us"] / 1e6} for t in timed[:3]]})
         del q, k, v
-        w = paged_workload(8, 8192, dtype) if head_dim == DECODE_HEAD_DIM else None
-        if w is not None:
-            timed = _time_configs(paged_attention.DECODE_CONFIGS, head_dim, decode_candidates(),
-                                  lambda: decode_attention(**w), timing)
-            out.append({"kernel": "decode", "head_dim": head_dim, "causal": None,
-                        "current": paged_attention.DECODE_CONFIGS[head_dim]._asdict(), "best": timed[:3]})
+        torch.cuda.empty_cache()
+    if args.only == "prefill":
+        return out
+    w = paged_workload(8, 8192, dtype)
+    timed = _time_configs(paged_attention.DECODE_CONFIGS, DECODE_HEAD_DIM, decode_candidates(),
+                          lambda: decode_attention(**w), timing)
+    out.append({"kernel": "decode", "head_dim": DECODE_HEAD_DIM, "causal": None,
+                "current": paged_attention.DECODE_CONFIGS[DECODE_HEAD_DIM]._asdict(), "best": timed[:3]})
+    for context in (4096, 32768):  # batch 8: too few (batch, kv head) pairs to fill the GPU without splits
+        w = paged_workload(8, context, dtype)
+        out.append({"kernel": f"decode batch 8 context {context}, programs per SM", "head_dim": DECODE_HEAD_DIM,
+                    "causal": None, "current": {"programs_per_sm": paged_attention.PROGRAMS_PER_SM},
+                    "best": _time_programs_per_sm(w, timing)})
+        del w
         torch.cuda.empty_cache()
     return out
 
