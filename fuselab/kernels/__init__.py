@@ -6,6 +6,7 @@ Torch references for every op live in `fuselab.kernels.reference`.
 from fuselab import device as _device  # noqa: F401  (selects compiled or interpreted Triton first)
 
 from fuselab.kernels.add import add
+from fuselab.kernels.argmax import argmax
 from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.rms_norm import rms_norm
@@ -19,6 +20,7 @@ from fuselab.kernels.paged_attention import decode_attention, store_kv
 __all__ = [
     "add",
     "apply_rope",
+    "argmax",
     "bias_act",
     "cross_entropy",
     "decode_attention",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# --- elementwise, norms, activations, softmax ---
+# --- elementwise, norms, activations, softmax, argmax ---
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +76,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(_upcast(x), dim=dim).to(x.dtype)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Greedy decoding's pick: the index of each row's largest value (first of ties, first NaN)."""
+    return torch.argmax(x, dim=-1)
 
 
 # --- rope, cross-entropy, adamw ---

@@ -1,0 +1,136 @@
+"""Argmax over the last dim of a [rows, cols] tensor, for greedy decoding, in two small launches.
+
+torch.argmax at decode size (one row of a 128K vocabulary) reduces the whole row in a single
+block, so one SM reads the 256 KB of logits while the rest of the GPU idles. Here the first
+kernel cuts every row into chunks of CHUNK columns, one program per (row, chunk), each writing
+its chunk's maximum (as float32, exact for every input dtype) and the column it sits in to a small
+[rows, chunks] scratch; the second kernel, one program per row, picks the winning chunk. A row
+that fits one chunk skips the second launch. The scratch is sized from the shape alone and nothing
+is read back to the host, so a CUDA graph can capture the call.
+
+The answer is torch.argmax's: the first of equal maxima (chunks are merged in column order), a
+NaN beats every number (the first NaN wins), and a row of -inf gives index 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._validate import check_float_tensor
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _first_max(x, idx, valid, sentinel):
+    # (maximum, smallest index holding it) over the valid lanes of a block, torch's way: any NaN
+    # is the maximum, and comes back as NaN with the smallest index of a NaN.
+    is_nan = x != x
+    nan_idx = tl.min(tl.where(valid & is_nan, idx, sentinel), axis=0)
+    best = tl.max(tl.where(valid & ~is_nan, x, float("-inf")), axis=0)
+    best_idx = tl.min(tl.where(valid & (x == best), idx, sentinel), axis=0)
+    has_nan = nan_idx < sentinel
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, nan_idx, best_idx)
+
+
+@triton.jit
+def _argmax_chunk_kernel(
+    X, VALUES, INDICES, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, STORE_VALUE: tl.constexpr
+):
+    # Program (row, chunk) reduces columns [chunk · BLOCK, (chunk + 1) · BLOCK) of its row. Every
+    # chunk holds at least one column, so the index written is always a real column.
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    valid = cols < n_cols
+    x = tl.load(X + row * stride_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    value, index = _first_max(x, cols, valid, n_cols)
+    out = row * n_chunks + chunk
+    tl.store(INDICES + out, index.to(tl.int64))
+    if STORE_VALUE:
+        tl.store(VALUES + out, value)
+
+
+@triton.jit
+def _argmax_merge_kernel(VALUES, INDICES, OUT, n_chunks, n_cols, BLOCK: tl.constexpr):
+    # One program per row walks its chunk results in column order; a later block replaces the
+    # running best only when strictly greater (or the first NaN), so ties keep the earlier column.
+    row = tl.program_id(0).to(tl.int64)
+    base = row * n_chunks
+    best = float("-inf")
+    best_idx = tl.full([], 0, tl.int64)
+    for start in range(0, n_chunks, BLOCK):
+        chunks = start + tl.arange(0, BLOCK)
+        valid = chunks < n_chunks
+        v = tl.load(VALUES + base + chunks, mask=valid, other=float("-inf"))
+        i = tl.load(INDICES + base + chunks, mask=valid, other=0)
+        value, index = _first_max(v, i, valid, n_cols)
+        best_is_nan = best != best
+        take = ~best_is_nan & ((value != value) | (value > best))
+        best = tl.where(take, value, best)
+        best_idx = tl.where(take, index.to(tl.int64), best_idx)
+    tl.store(OUT + row, best_idx)
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+
+# Columns per first-stage program. A 128256-wide vocabulary makes 32 chunks per row, 8 KB of
+# bf16 each: enough programs to spread one row's read over the GPU, few enough that the merge is
+# one small block. Read at call time, so tests can lower it to reach many chunks at small widths.
+CHUNK = 4096
+CHUNK_WARPS = 8  # 16 elements a thread at CHUNK = 4096: 16-byte vector loads, no spills
+# Chunk results a merge program reduces per loop step; more chunks than this take several steps.
+MAX_MERGE_BLOCK = 1024
+
+
+def argmax_launch(x: torch.Tensor) -> torch.Tensor:
+    """The kernels on a [rows, cols] tensor with cols >= 1 and a unit column stride."""
+    rows, n_cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    chunk = CHUNK
+    n_chunks = triton.cdiv(n_cols, chunk)
+    if n_chunks == 1:
+        # The chunk's index is the row's answer: written straight into the output, no merge.
+        _argmax_chunk_kernel[(rows, 1)](
+            x, out, out, x.stride(0), n_cols, 1, BLOCK=chunk, STORE_VALUE=False, num_warps=CHUNK_WARPS
+        )
+        return out
+    values = torch.empty(rows, n_chunks, dtype=torch.float32, device=x.device)
+    indices = torch.empty(rows, n_chunks, dtype=torch.int64, device=x.device)
+    _argmax_chunk_kernel[(rows, n_chunks)](
+        x, values, indices, x.stride(0), n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, num_warps=CHUNK_WARPS
+    )
+    merge_block = min(triton.next_power_of_2(n_chunks), MAX_MERGE_BLOCK)
+    _argmax_merge_kernel[(rows,)](values, indices, out, n_chunks, n_cols, BLOCK=merge_block, num_warps=1)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value in each row of a 2-D `x` [rows, cols]: int64 [rows] on x's device.
+
+    Matches torch.argmax(x, dim=-1): ties go to the smallest index, NaN counts as the largest value
+    (the first NaN's index), and a row of -inf gives 0. Rows may be strided (a view into a wider
+    tensor is read in place); a column stride other than 1 is copied once. No host sync and no
+    allocation that depends on the values, so the call can be captured in a CUDA graph.
+    """
+    check_float_tensor("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
+    if x.shape[1] == 0:
+        raise ValueError(f"x must have at least one column to take the argmax of, got shape {tuple(x.shape)}")
+    if x.stride(1) != 1 and x.shape[0] > 0:
+        x = x.contiguous()
+    return argmax_launch(x)

@@ -1,0 +1,108 @@
+import pytest
+import torch
+from kernel_checks import DTYPES, kernel_module
+
+from fuselab.kernels import argmax, reference
+
+CHUNK = kernel_module("argmax").CHUNK
+# One row in a single chunk, and three widths that need the merge, the last over two chunks.
+WIDTHS = (1, 7, 1000, 5003, 2 * CHUNK + 11)
+INF, NAN = float("inf"), float("nan")
+
+
+def _randn(shape, dtype, device, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+
+
+def _check(x: torch.Tensor) -> None:
+    got = argmax(x)
+    assert got.dtype == torch.int64 and got.device == x.device and got.shape == (x.shape[0],)
+    assert got.tolist() == reference.argmax(x).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_matches_torch(device, dtype, width, rows):
+    _check(_randn((rows, width), dtype, device, seed=width + rows))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ties_across_chunks_take_the_first(device, dtype):
+    width = 2 * CHUNK + 11
+    x = torch.zeros(4, width, dtype=dtype, device=device)
+    x[0, [5, CHUNK + 3, 2 * CHUNK + 1]] = 2.0  # one maximum in every chunk
+    x[1, [CHUNK + 3, 2 * CHUNK + 1]] = 2.0  # in the later chunks only
+    x[2, [CHUNK - 1, CHUNK]] = 2.0  # either side of a chunk boundary
+    x[3] = 1.0  # the whole row ties
+    assert argmax(x).tolist() == [5, CHUNK + 3, CHUNK - 1, 0]
+    _check(x)
+
+
+def test_ties_within_a_chunk_take_the_first(device):
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [-0.0, 0.0, -1.0, 0.0], [INF, 1.0, INF, 0.0]], device=device)
+    assert argmax(x).tolist() == [1, 0, 0]
+    _check(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_is_the_maximum(device, dtype):
+    width = 2 * CHUNK + 11
+    x = _randn((5, width), dtype, device)
+    x[0, 17] = NAN
+    x[1, CHUNK + 2], x[1, 3] = NAN, INF  # +inf in an earlier chunk loses to a later NaN
+    x[2, [2 * CHUNK + 5, CHUNK + 9]] = NAN  # two NaNs in different chunks: the first
+    x[3, [40, 41]] = NAN  # two in one chunk
+    x[4] = NAN
+    assert argmax(x).tolist() == [17, CHUNK + 2, CHUNK + 9, 40, 0]
+    _check(x)
+
+
+@pytest.mark.parametrize("width", [7, 2 * CHUNK + 11])
+def test_rows_of_minus_inf(device, width):
+    x = torch.full((3, width), -INF, device=device)
+    x[1, width - 1] = -1e30  # the only finite value, in the last chunk
+    x[2, 0] = NAN
+    assert argmax(x).tolist() == [0, width - 1, 0]
+    _check(x)
+
+
+def test_many_chunks_and_a_looped_merge(device, monkeypatch):
+    # Small chunks and merge blocks reach the looped merge: 9 chunks in steps of 4.
+    monkeypatch.setattr(kernel_module("argmax"), "CHUNK", 16)
+    monkeypatch.setattr(kernel_module("argmax"), "MAX_MERGE_BLOCK", 4)
+    x = _randn((3, 140), torch.float32, device)
+    x[1, [33, 130]] = 9.0
+    x[2, [70, 139]] = NAN
+    assert argmax(x).tolist()[1:] == [33, 70]
+    _check(x)
+
+
+def test_strided_rows_and_columns(device):
+    wide = _randn((4, 3 * CHUNK), torch.bfloat16, device)
+    _check(wide[:, 5 : 2 * CHUNK + 100])  # a column slice: strided rows, read in place
+    _check(wide[::2, :1000])
+    _check(_randn((CHUNK + 3, 3), torch.float16, device).t())  # a column stride: copied
+
+
+def test_empty_rows(device):
+    got = argmax(torch.empty(0, 5, device=device))
+    assert got.dtype == torch.int64 and got.shape == (0,)
+
+
+def test_bad_inputs_raise_naming_the_argument(device):
+    x = torch.randn(2, 8, device=device)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        argmax(x.tolist())
+    with pytest.raises(TypeError, match="x must be float32"):
+        argmax(x.long())
+    with pytest.raises(TypeError, match="x must be float32"):
+        argmax(x.double())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        argmax(x[0])
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        argmax(x[None])
+    with pytest.raises(ValueError, match="x must have at least one column"):
+        argmax(torch.empty(3, 0, device=device))
+    with pytest.raises(ValueError, match="x must have at least one column"):
+        argmax(torch.empty(0, 0, device=device))
