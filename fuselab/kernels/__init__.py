@@ -13,7 +13,7 @@ from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
 from fuselab.kernels.cross_entropy import cross_entropy
-from fuselab.kernels.rope import apply_rope, rope_cos_sin
+from fuselab.kernels.rope import apply_rope, rope_and_store_kv, rope_cos_sin
 from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
 from fuselab.kernels.paged_attention import decode_attention, store_kv
 
@@ -28,6 +28,7 @@ __all__ = [
     "flash_attention_varlen",
     "layer_norm",
     "rms_norm",
+    "rope_and_store_kv",
     "rope_cos_sin",
     "silu_and_mul",
     "softmax",

@@ -254,16 +254,10 @@ def _check_caches(k_cache: object, v_cache: object) -> None:
         raise ValueError(f"k_cache's block_size (dim 1) must be a power of two, got {block_size}")
 
 
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write token t's keys and values, k, v [tokens, kv_heads, head_dim], into cache slot
-    slot_mapping[t] = block · block_size + offset of k_cache, v_cache, in place. Slot -1 is skipped."""
+def check_store_inputs(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
+    """Caches as `_check_caches` wants them, k, v [tokens, kv_heads, head_dim] to match, and one int32
+    slot per token: the checks of every op that writes the cache (store_kv, rope.rope_and_store_kv)."""
     _check_caches(k_cache, v_cache)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(2) != t.shape[3]:
-            raise ValueError(f"{name} must hold each slot's heads side by side (stride {t.shape[3]} on dim 2), "
-                             f"got strides {t.stride()}")
     for name, t in (("k", k), ("v", v)):
         check_float_tensor(name, t)
         if t.dim() != 3 or tuple(t.shape[1:]) != tuple(k_cache.shape[2:]):
@@ -276,6 +270,18 @@ def store_kv(
     _check_int_tensor("slot_mapping", slot_mapping, 1, k_cache.device)
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write token t's keys and values, k, v [tokens, kv_heads, head_dim], into cache slot
+    slot_mapping[t] = block · block_size + offset of k_cache, v_cache, in place. Slot -1 is skipped."""
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(2) != t.shape[3]:
+            raise ValueError(f"{name} must hold each slot's heads side by side (stride {t.shape[3]} on dim 2), "
+                             f"got strides {t.stride()}")
     if k.shape[0] == 0:
         return
     # Each token's heads must be one contiguous run (true of a slice of a fused qkv projection).

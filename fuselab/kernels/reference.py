@@ -201,6 +201,23 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
+def rope_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: str = "rotate_half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rope, then store_kv of the rotated k and of v; returns the rotated (q, k)."""
+    q, k = apply_rope(q, k, positions, cos_sin, layout)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first seq_len tokens of one sequence from a paged cache: [seq_len, kv_heads, d]."""
     block_size = cache.shape[1]

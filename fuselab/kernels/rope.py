@@ -9,6 +9,11 @@ Out of place: the inputs are never written, and the outputs have the inputs' sha
 That keeps q and k safe to save for backward elsewhere (the projections that produce them do).
 Backward rotates the incoming gradients by the opposite angle: the transpose of a rotation.
 Positions outside [0, max_pos) of the cache give NaN rows instead of reading out of bounds.
+
+`rope_and_store_kv` is the same launch with one more job, for inference: each program also writes
+its token's rotated keys and its values into a paged KV cache (see paged_attention.py), so a layer
+launches one kernel where apply_rope then store_kv launch two. A constexpr flag turns the store on;
+with it off, apply_rope's kernel compiles as it always has.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._validate import check_float_tensor
+from fuselab.kernels._validate import check_float_tensor, needs_autograd
+from fuselab.kernels.paged_attention import check_store_inputs
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
@@ -30,9 +36,11 @@ _TILE_ELEMENTS = 2048
 @triton.jit
 def _rotate_heads(
     x_ptr, x_stride_h, out_ptr, out_stride_h, n_heads, cos, sin,
+    cache_ptr, cache_stride_h, n_cache_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr, INTERLEAVED: tl.constexpr, TO_CACHE: tl.constexpr,
 ):
+    # With TO_CACHE, the first n_cache_heads rotated heads (all of them, or none) also go to cache_ptr.
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     pairs = tl.arange(0, BLOCK_HALF)[None, :]
     if INTERLEAVED:
@@ -46,13 +54,39 @@ def _rotate_heads(
         out_head = out_ptr + head * out_stride_h
         x1 = tl.load(x_head + first, mask=mask).to(tl.float32)
         x2 = tl.load(x_head + second, mask=mask).to(tl.float32)
-        tl.store(out_head + first, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_head + second, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        y1 = (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty)
+        y2 = (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty)
+        tl.store(out_head + first, y1, mask=mask)
+        tl.store(out_head + second, y2, mask=mask)
+        if TO_CACHE:
+            cache_head = cache_ptr + head * cache_stride_h
+            cache_mask = (head < n_cache_heads) & (pairs < HALF)
+            tl.store(cache_head + first, y1.to(cache_ptr.dtype.element_ty), mask=cache_mask)
+            tl.store(cache_head + second, y2.to(cache_ptr.dtype.element_ty), mask=cache_mask)
         if BLOCK_PASS > 0:
             # Partial rotary: the dims past the rotary dim are copied as they are.
             dims = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
             pass_mask = (head < n_heads) & (dims < HEAD_DIM)
-            tl.store(out_head + dims, tl.load(x_head + dims, mask=pass_mask), mask=pass_mask)
+            passed = tl.load(x_head + dims, mask=pass_mask)
+            tl.store(out_head + dims, passed, mask=pass_mask)
+            if TO_CACHE:
+                pass_cache_mask = (head < n_cache_heads) & (dims < HEAD_DIM)
+                tl.store(cache_head + dims, passed.to(cache_ptr.dtype.element_ty), mask=pass_cache_mask)
+
+
+@triton.jit
+def _copy_heads(
+    x_ptr, x_stride_h, out_ptr, out_stride_h, n_heads,
+    BLOCK_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One token's heads, as they are, into a cache slot (n_heads = 0 copies nothing).
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    for head_start in range(0, n_heads, BLOCK_HEADS):
+        head = head_start + heads
+        mask = (head < n_heads) & (dims < HEAD_DIM)
+        x = tl.load(x_ptr + head * x_stride_h + dims, mask=mask)
+        tl.store(out_ptr + head * out_stride_h + dims, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,10 +98,15 @@ def _rope_kernel(
     positions_ptr, positions_stride_b, positions_stride_s,
     cos_sin_ptr, cos_sin_stride, max_pos,
     seq_len, n_q_heads, n_k_heads,
+    # The cache store's arguments; None (dropped at compile time) unless STORE_KV.
+    v_ptr, v_stride_s, v_stride_h, slot_mapping_ptr, slot_mapping_stride,
+    k_cache_ptr, k_cache_stride_block, k_cache_stride_slot, k_cache_stride_h,
+    v_cache_ptr, v_cache_stride_block, v_cache_stride_slot, v_cache_stride_h,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
+    STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_V_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
     token = tl.program_id(0).to(tl.int64)
@@ -88,13 +127,35 @@ def _rope_kernel(
     _rotate_heads(
         q_ptr + b * q_stride_b + s * q_stride_s, q_stride_h,
         q_out_ptr + b * q_out_stride_b + s * q_out_stride_s, q_out_stride_h,
-        n_q_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED,
+        n_q_heads, cos, sin, q_out_ptr, 0, False,
+        HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
     )
-    _rotate_heads(
-        k_ptr + b * k_stride_b + s * k_stride_s, k_stride_h,
-        k_out_ptr + b * k_out_stride_b + s * k_out_stride_s, k_out_stride_h,
-        n_k_heads, cos, sin, HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED,
-    )
+    if STORE_KV:
+        # Inputs are [tokens, heads, head_dim] here (b == 0). Slot -1 marks a padding token: its
+        # q and k are still rotated into the outputs, but nothing of it goes into the cache.
+        slot = tl.load(slot_mapping_ptr + s * slot_mapping_stride).to(tl.int64)
+        n_cache_heads = tl.where(slot >= 0, n_k_heads, 0)
+        slot = tl.maximum(slot, 0)
+        page = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        _rotate_heads(
+            k_ptr + s * k_stride_s, k_stride_h, k_out_ptr + s * k_out_stride_s, k_out_stride_h,
+            n_k_heads, cos, sin,
+            k_cache_ptr + page * k_cache_stride_block + offset * k_cache_stride_slot, k_cache_stride_h, n_cache_heads,
+            HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, True,
+        )
+        _copy_heads(
+            v_ptr + s * v_stride_s, v_stride_h,
+            v_cache_ptr + page * v_cache_stride_block + offset * v_cache_stride_slot, v_cache_stride_h,
+            n_cache_heads, BLOCK_V_HEADS, HEAD_DIM, BLOCK_D,
+        )
+    else:
+        _rotate_heads(
+            k_ptr + b * k_stride_b + s * k_stride_s, k_stride_h,
+            k_out_ptr + b * k_out_stride_b + s * k_out_stride_s, k_out_stride_h,
+            n_k_heads, cos, sin, k_out_ptr, 0, False,
+            HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
+        )
 
 
 def _token_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -115,7 +176,13 @@ def _head_block(n_heads: int, block_half: int) -> int:
     return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE_ELEMENTS // block_half))
 
 
-def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool):
+# In the order of _rope_kernel's cache-store arguments, for a launch without the store.
+_NO_STORE = (None,) * 13
+
+
+def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, store=None):
+    """Rotate q and k into new tensors. `store` = (v, k_cache, v_cache, slot_mapping) also writes
+    the rotated k and v into the caches (3-D inputs only)."""
     head_dim = q.shape[-1]
     rotary_dim = cos_sin.shape[1]
     seq_len = q.shape[1] if q.dim() == 4 else q.shape[0]
@@ -127,6 +194,18 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool):
     half = rotary_dim // 2
     block_half = triton.next_power_of_2(half)
     pass_dims = head_dim - rotary_dim
+    if store is None:
+        store_args, store_meta = _NO_STORE, dict(STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None)
+    else:
+        v, k_cache, v_cache, slot_mapping = store
+        block_d = triton.next_power_of_2(head_dim)
+        store_args = (
+            v, v.stride(0), v.stride(1), slot_mapping, slot_mapping.stride(0),
+            k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        )
+        store_meta = dict(STORE_KV=True, PAGE_SIZE=k_cache.shape[1], BLOCK_V_HEADS=_head_block(v.shape[1], block_d),
+                          BLOCK_D=block_d)
     _rope_kernel[(n_tokens,)](
         q, *_token_strides(q),
         k, *_token_strides(k),
@@ -135,10 +214,11 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool):
         positions, *_positions_strides(positions),
         cos_sin, cos_sin.stride(0), cos_sin.shape[0],
         seq_len, q.shape[-2], k.shape[-2],
+        *store_args,
         HALF=half, BLOCK_HALF=block_half,
         BLOCK_Q_HEADS=_head_block(q.shape[-2], block_half), BLOCK_K_HEADS=_head_block(k.shape[-2], block_half),
         HEAD_DIM=head_dim, BLOCK_PASS=triton.next_power_of_2(pass_dims) if pass_dims else 0,
-        INTERLEAVED=interleaved, INVERSE=inverse,
+        INTERLEAVED=interleaved, INVERSE=inverse, **store_meta,
     )
     return q_out, k_out
 
@@ -207,6 +287,45 @@ def apply_rope(
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
     return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
+
+
+def rope_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: str = "rotate_half",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` and `store_kv` in one launch: rotates q [tokens, q_heads, head_dim] and
+    k [tokens, kv_heads, head_dim] as apply_rope does and returns the new (q, k), while writing
+    token t's rotated k and its v (unchanged) into slot slot_mapping[t] = block · block_size + offset
+    of k_cache and v_cache [num_blocks, block_size, kv_heads, head_dim], in place; slot -1 (padding)
+    writes nothing. q, k and v may be strided views of one fused projection (unit last stride).
+    The caches must have k's and v's dtype.
+
+    Inference only: it writes the cache and records no gradients, so it refuses inputs that
+    require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
+    """
+    _check_inputs(q, k, positions, cos_sin, layout)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim] to store into the cache, got shape {tuple(q.shape)}")
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    for name, t, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
+        if cache.dtype != t.dtype:
+            raise TypeError(f"{cache_name} has dtype {cache.dtype} but {name} has dtype {t.dtype}")
+    if v.stride(-1) != 1:
+        raise ValueError("v must have a contiguous last (head_dim) dimension; other strides may be anything")
+    if needs_autograd(q, k, v):
+        raise RuntimeError(
+            "rope_and_store_kv is not differentiable (it is for inference): q, k or v requires grad; "
+            "call it under torch.no_grad() or torch.inference_mode(), or use apply_rope and store_kv"
+        )
+    return _launch_rope(q, k, positions, cos_sin, layout == "interleaved", inverse=False,
+                        store=(v, k_cache, v_cache, slot_mapping))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
