@@ -5,9 +5,10 @@ each sequence starts (prefill) or where its cached context lives (decode), and w
 each token's key and value go to. Q/K/V are one projection and gate/up another, merged at load.
 
 Two sets of ops run the same layers: "eager" calls the plain-torch references of
-fuselab.kernels.reference, "fused" calls fuselab's Triton kernels (RMSNorm fused with the
-residual add, SwiGLU on the merged gate/up, RoPE on q and k in one launch, varlen flash
-attention for prefill, paged flash-decoding for decode).
+fuselab.kernels.reference, "fused" calls fuselab's Triton kernels. Each norm adds the residual in
+the same pass and folds into the projection that reads it (one GEMV launch at batch 1), SwiGLU folds
+into the down projection, RoPE and the KV-cache store are one launch, prefill runs varlen flash
+attention, decode paged flash-decoding, and the greedy pick a two-launch argmax.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fuselab import kernels
@@ -39,33 +39,33 @@ class AttentionMetadata:
 
 
 class Ops(NamedTuple):
-    rms_norm: Callable
-    silu_and_mul: Callable
-    apply_rope: Callable
-    store_kv: Callable
+    rms_norm: Callable  # the q/k norms of Qwen3
+    linear: Callable  # fused_linear: (x, weight, *, norm_weight, residual, eps, gated, out)
+    rope_and_store_kv: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    argmax: Callable  # [rows, vocab] -> [rows]
 
 
 EAGER_OPS = Ops(
     rms_norm=reference.rms_norm,
-    silu_and_mul=reference.silu_and_mul,
-    apply_rope=reference.apply_rope,
-    store_kv=reference.store_kv,
+    linear=reference.fused_linear,
+    rope_and_store_kv=reference.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: reference.decode_attention(q, kc, vc, bt, sl, scale),
+    argmax=reference.argmax,
 )
 
 FUSED_OPS = Ops(
     rms_norm=kernels.rms_norm,
-    silu_and_mul=kernels.silu_and_mul,
-    apply_rope=kernels.apply_rope,
-    store_kv=kernels.store_kv,
+    linear=kernels.fused_linear,
+    rope_and_store_kv=kernels.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(q, k, v, cu, max_len, True, scale),
     # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes
     # only, which a captured decode graph needs.
     decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: kernels.decode_attention(
         q, kc, vc, bt, sl, scale, max_seq_len=max_len),
+    argmax=kernels.argmax,
 )
 
 
@@ -76,7 +76,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual); the first layer has no residual yet: x is it."""
+    if residual is None:
+        return ops.linear(x, weight, norm_weight=norm.weight, eps=norm.eps, out=out), x
+    return ops.linear(x, weight, norm_weight=norm.weight, residual=residual, eps=norm.eps, out=out)
+
+
 class Attention(nn.Module):
+    """Attention from the merged q/k/v projection's output: the layer computes that projection,
+    with the norm before it folded in."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -87,11 +98,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, k_cache: torch.Tensor,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, cos_sin: torch.Tensor, max_model_len: int, ops: Ops) -> torch.Tensor:
         c = self.config
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        tokens = qkv.shape[0]
+        if self.qkv_proj.bias is not None:
+            qkv = qkv + self.qkv_proj.bias
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, c.num_heads, c.head_dim)
         k = k.view(tokens, c.num_kv_heads, c.head_dim)
@@ -99,25 +112,23 @@ class Attention(nn.Module):
         if c.qk_norm:
             q = ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = ops.apply_rope(q, k, positions, cos_sin)
-        ops.store_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        q, k = ops.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, attn.slot_mapping)
         if attn.is_prefill:
             # Every prefill starts from an empty context (no prefix cache), so attention within the
             # new tokens is the whole of it.
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale, max_model_len)
-        return self.o_proj(o.reshape(tokens, c.q_size))
+        return ops.linear(o.reshape(tokens, c.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
+    """The gate/up and down projections' weights; the layer runs them, with SwiGLU folded into down."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -131,17 +142,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 attn: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor,
                 max_model_len: int, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried beside the layer output, so that each norm adds it in
-        # the same pass ((x + residual) is both normalized and kept for the next add).
-        norm = self.input_layernorm
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            h, residual = ops.rms_norm(x, norm.weight, norm.eps, residual)
-        h = self.self_attn(h, positions, attn, k_cache, v_cache, cos_sin, max_model_len, ops)
-        norm = self.post_attention_layernorm
-        h, residual = ops.rms_norm(h, norm.weight, norm.eps, residual)
-        return self.mlp(h, ops), residual
+        # The residual stream is carried beside the layer output, so that each norm adds it in the
+        # same pass ((x + residual) is both normalized and kept for the next add), inside the
+        # projection that reads the norm's output.
+        qkv, residual = norm_linear(ops, x, residual, self.input_layernorm, self.self_attn.qkv_proj.weight)
+        h = self.self_attn(qkv, positions, attn, k_cache, v_cache, cos_sin, max_model_len, ops)
+        gate_up, residual = norm_linear(ops, h, residual, self.post_attention_layernorm, self.mlp.gate_up_proj.weight)
+        return ops.linear(gate_up, self.mlp.down_proj.weight, gated=True), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -163,19 +170,21 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin: torch.Tensor | None = None  # set by build_model on the model's device
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for packed input_ids and positions [T]."""
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output, residual stream), each [T, hidden], for packed input_ids and
+        positions [T]: the final norm folds into the logits' projection (compute_logits)."""
         h, residual = self.model.embed_tokens(input_ids), None
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
             h, residual = layer(h, residual, positions, attn, k_cache, v_cache, self.cos_sin, self.max_model_len, self.ops)
-        h, _ = self.ops.rms_norm(h, self.model.norm.weight, self.model.norm.eps, residual)
-        return h
+        return h, residual
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits [T, vocab]; into `out` when given (the cast to float32 is then the copy)."""
+    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
-        return logits.float() if out is None else out.copy_(logits)
+        return norm_linear(self.ops, h, residual, self.model.norm, weight, out)[0]
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.ops.argmax(logits)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,

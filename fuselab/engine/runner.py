@@ -78,7 +78,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             self._static = self._decode_inputs_on_device([], max_num_seqs)
-            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, device=device)
+            # One logits buffer for every bucket: each graph would otherwise keep its own.
+            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, dtype=model.model.embed_tokens.weight.dtype,
+                                              device=device)
             self.graphs = DecodeGraphs(
                 lambda bucket: self.decode_forward(self._static.rows(bucket), self._static_logits[:bucket]),
                 default_buckets(max_num_seqs), device)
@@ -144,14 +146,14 @@ class ModelRunner:
 
     def decode_forward(self, inputs: DecodeInputs, logits_out: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 logits, greedy tokens) of one decode step; the step a CUDA graph holds."""
+        """(logits in the model's dtype, greedy tokens) of one decode step; the step a CUDA graph holds."""
         # A row whose token the host has not read yet takes it from the previous step's output.
         input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
         attn = AttentionMetadata(is_prefill=False, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
-        hidden = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
-        logits = self.model.compute_logits(hidden, logits_out)
-        return logits, logits.argmax(dim=-1)
+        h, residual = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
+        logits = self.model.compute_logits(h, residual, logits_out)
+        return logits, self.model.greedy(logits)
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphs is None:
@@ -164,18 +166,21 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab] of the next token of each sequence; writes their KV."""
+        return self._logits(seqs, is_prefill).float()
+
+    def _logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         if not is_prefill:
             return self._decode(seqs)[0]
         input_ids, positions, attn, last = self.prepare_prefill(seqs)
-        hidden = self.model(input_ids, positions, attn, self.kv_cache.k, self.kv_cache.v)
-        return self.model.compute_logits(hidden[last])
+        h, residual = self.model(input_ids, positions, attn, self.kv_cache.k, self.kv_cache.v)
+        return self.model.compute_logits(h[last], residual[last])
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
         """Queue one step on the device and return at once; its tokens reach the host later."""
         if is_prefill:
-            logits = self.compute_logits(seqs, is_prefill=True)
-            greedy = logits.argmax(dim=-1)
+            logits = self._logits(seqs, is_prefill=True)
+            greedy = self.model.greedy(logits)
         else:
             logits, greedy = self._decode(seqs)
         if all(s.params.greedy for s in seqs):

@@ -85,11 +85,11 @@ class SamplingBatch:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Token ids [B] (int64, on the device) for float32 logits [B, vocab]."""
+        """Token ids [B] (int64, on the device) for logits [B, vocab] (sampled from in float32)."""
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens
-        scaled = logits / batch.temperature[:, None]
+        scaled = logits.float() / batch.temperature[:, None]
         # Stable, so that tied logits keep one order and a seed one outcome.
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
         keep = top_k_top_p_mask(sorted_logits, batch.top_k, batch.top_p)
