@@ -5,10 +5,10 @@ each sequence starts (prefill) or where its cached context lives (decode), and w
 each token's key and value go to. Q/K/V are one projection and gate/up another, merged at load.
 
 Two sets of ops run the same layers: "eager" calls the plain-torch references of
-fuselab.kernels.reference, "fused" calls fuselab's Triton kernels. Each norm adds the residual in
-the same pass and folds into the projection that reads it (one GEMV launch at batch 1), SwiGLU folds
-into the down projection, RoPE and the KV-cache store are one launch, prefill runs varlen flash
-attention, decode paged flash-decoding, and the greedy pick a two-launch argmax.
+fuselab.kernels.reference, "fused" calls fuselab's Triton kernels: RMSNorm fused with the residual
+add, SwiGLU on the merged gate/up, RoPE and the KV-cache store in one launch, varlen flash attention
+for prefill, paged flash-decoding for decode, and a two-launch argmax for the greedy pick. The
+projections are cuBLAS GEMMs in both.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fuselab import kernels
@@ -39,8 +40,8 @@ class AttentionMetadata:
 
 
 class Ops(NamedTuple):
-    rms_norm: Callable  # the q/k norms of Qwen3
-    linear: Callable  # fused_linear: (x, weight, *, norm_weight, residual, eps, gated, out)
+    rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
+    silu_and_mul: Callable
     rope_and_store_kv: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
@@ -49,7 +50,7 @@ class Ops(NamedTuple):
 
 EAGER_OPS = Ops(
     rms_norm=reference.rms_norm,
-    linear=reference.fused_linear,
+    silu_and_mul=reference.silu_and_mul,
     rope_and_store_kv=reference.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: reference.decode_attention(q, kc, vc, bt, sl, scale),
@@ -58,7 +59,7 @@ EAGER_OPS = Ops(
 
 FUSED_OPS = Ops(
     rms_norm=kernels.rms_norm,
-    linear=kernels.fused_linear,
+    silu_and_mul=kernels.silu_and_mul,
     rope_and_store_kv=kernels.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(q, k, v, cu, max_len, True, scale),
     # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes
@@ -76,18 +77,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def norm_linear(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, weight: torch.Tensor,
-                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual)), x + residual); the first layer has no residual yet: x is it."""
+def add_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the first layer has no residual yet: x is it."""
     if residual is None:
-        return ops.linear(x, weight, norm_weight=norm.weight, eps=norm.eps, out=out), x
-    return ops.linear(x, weight, norm_weight=norm.weight, residual=residual, eps=norm.eps, out=out)
+        return ops.rms_norm(x, norm.weight, norm.eps), x
+    return ops.rms_norm(x, norm.weight, norm.eps, residual)
 
 
 class Attention(nn.Module):
-    """Attention from the merged q/k/v projection's output: the layer computes that projection,
-    with the norm before it folded in."""
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -98,13 +96,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, k_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, cos_sin: torch.Tensor, max_model_len: int, ops: Ops) -> torch.Tensor:
         c = self.config
-        tokens = qkv.shape[0]
-        if self.qkv_proj.bias is not None:
-            qkv = qkv + self.qkv_proj.bias
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, c.num_heads, c.head_dim)
         k = k.view(tokens, c.num_kv_heads, c.head_dim)
@@ -119,16 +115,17 @@ class Attention(nn.Module):
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale, max_model_len)
-        return ops.linear(o.reshape(tokens, c.q_size), self.o_proj.weight)
+        return self.o_proj(o.reshape(tokens, c.q_size))
 
 
 class MLP(nn.Module):
-    """The gate/up and down projections' weights; the layer runs them, with SwiGLU folded into down."""
-
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -143,12 +140,11 @@ class DecoderLayer(nn.Module):
                 attn: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor, cos_sin: torch.Tensor,
                 max_model_len: int, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried beside the layer output, so that each norm adds it in the
-        # same pass ((x + residual) is both normalized and kept for the next add), inside the
-        # projection that reads the norm's output.
-        qkv, residual = norm_linear(ops, x, residual, self.input_layernorm, self.self_attn.qkv_proj.weight)
-        h = self.self_attn(qkv, positions, attn, k_cache, v_cache, cos_sin, max_model_len, ops)
-        gate_up, residual = norm_linear(ops, h, residual, self.post_attention_layernorm, self.mlp.gate_up_proj.weight)
-        return ops.linear(gate_up, self.mlp.down_proj.weight, gated=True), residual
+        # same pass ((x + residual) is both normalized and kept for the next add).
+        h, residual = add_norm(ops, x, residual, self.input_layernorm)
+        h = self.self_attn(h, positions, attn, k_cache, v_cache, cos_sin, max_model_len, ops)
+        h, residual = add_norm(ops, h, residual, self.post_attention_layernorm)
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -172,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's output, residual stream), each [T, hidden], for packed input_ids and
-        positions [T]: the final norm folds into the logits' projection (compute_logits)."""
+        positions [T]. The final norm is compute_logits', which prefill runs on its last tokens only."""
         h, residual = self.model.embed_tokens(input_ids), None
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches):
             h, residual = layer(h, residual, positions, attn, k_cache, v_cache, self.cos_sin, self.max_model_len, self.ops)
@@ -181,7 +177,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return norm_linear(self.ops, h, residual, self.model.norm, weight, out)[0]
+        h = add_norm(self.ops, h, residual, self.model.norm)[0]
+        return F.linear(h, weight) if out is None else torch.matmul(h, weight.t(), out=out)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         return self.ops.argmax(logits)

@@ -15,7 +15,6 @@ from fuselab.kernels.swiglu import silu_and_mul, swiglu
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.rope import apply_rope, rope_and_store_kv, rope_cos_sin
 from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
-from fuselab.kernels.fused_linear import fused_linear
 from fuselab.kernels.paged_attention import decode_attention, store_kv
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "decode_attention",
     "flash_attention",
     "flash_attention_varlen",
-    "fused_linear",
     "layer_norm",
     "rms_norm",
     "rope_and_store_kv",

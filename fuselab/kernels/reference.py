@@ -83,31 +83,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
-def fused_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    gated: bool = False,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """linear of rms_norm(x [+ residual]) (returning (y, x + residual) with a residual), of
-    silu_and_mul(x) with gated=True, or of x; y written into `out` when given."""
-    h = None
-    if gated:
-        x = silu_and_mul(x)
-    elif norm_weight is not None and residual is None:
-        x = rms_norm(x, norm_weight, eps)
-    elif norm_weight is not None:
-        x, h = rms_norm(x, norm_weight, eps, residual)
-    y = torch.nn.functional.linear(x, weight)
-    if out is not None:
-        y = out.copy_(y)
-    return y if h is None else (y, h)
-
-
 # --- rope, cross-entropy, adamw ---
 
 
