@@ -67,3 +67,27 @@ def test_markdown_plot_and_table_render(tmp_path, capsys):
     assert (tmp_path / "decode.png").stat().st_size > 0
     bench_decode.print_table(result)
     assert "bandwidth achieved" in capsys.readouterr().out
+
+
+def test_a_failing_mode_costs_its_own_rows_only(monkeypatch, tmp_path, capsys):
+    def hf_fails(mode, args, rows, doctor):
+        rows.append(dict(mode=mode, batch=1, decode_tok_s=50.0, ttft_ms=1.0, itl_p50_ms=1.0, itl_p99_ms=1.0,
+                         kernels_per_step=600.0, compile_s=None))
+        raise RuntimeError("the compiler broke\nwith a long traceback")
+
+    def engine(mode, args, rows, doctor):
+        for batch in args.batch_sizes:
+            rows.append(dict(mode=mode, batch=batch, decode_tok_s=900.0, ttft_ms=1.0, itl_p50_ms=1.0,
+                             itl_p99_ms=1.0, kernels_per_step=180.0, compile_s=0.1))
+
+    monkeypatch.setattr(bench_decode, "_measure_hf_mode", hf_fails)
+    monkeypatch.setattr(bench_decode, "_measure_engine_mode", engine)
+    result = bench_decode.measure(_args("--modes", "hf,hf-compile,graphs", "--batch-sizes", "1,8", "--quick"))
+    assert result["failed"] == {"hf": "RuntimeError: the compiler broke", "hf-compile": "RuntimeError: the compiler broke"}
+    assert [(r["mode"], r["batch"]) for r in result["rows"]] == [("hf", 1), ("hf-compile", 1), ("graphs", 1), ("graphs", 8)]
+    assert "going on with the other modes" in capsys.readouterr().out
+    bench_decode.write_markdown(result, tmp_path / "decode.md")
+    assert "- hf failed" in (tmp_path / "decode.md").read_text()
+    bench_decode.write_plot(result, tmp_path / "decode.png")  # hf has no batch-8 row
+    bench_decode.print_table(result)
+    assert "hf-compile failed" in capsys.readouterr().out

@@ -23,6 +23,7 @@ import gc
 import random
 import statistics
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from contextlib import contextmanager
@@ -282,46 +283,56 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
+def _measure_hf_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict) -> None:
+    model = build_hf(args.preset)
+    if mode == "hf-compile":
+        # transformers' own fast path: with a static cache, generate compiles the decoding forward
+        # itself (its CompileConfig, reduce-overhead). Compiling model.forward on top of that nests
+        # two CUDA-graph trees, whose outputs overwrite each other.
+        from transformers import CompileConfig
+
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.compile_config = CompileConfig(mode="reduce-overhead")
+    for batch in args.batch_sizes:
+        rows.append(measure_hf(mode, model, batch, args))
+        print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
+    if mode == "hf" and not args.quick:
+        batch = min(args.batch_sizes)
+        ids = torch.tensor(_prompts(batch, args.prompt_len, model.config.vocab_size), device="cuda")
+        doctor[mode] = diagnose_step(_hf_decode_step(model, ids))
+
+
+def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict) -> None:
+    doctor_batch = min(args.batch_sizes)
+    max_len = args.prompt_len + max(args.new_tokens, DOCTOR_TOKENS) + BLOCK_SIZE
+    seq_blocks = -(-(args.prompt_len + args.new_tokens + 1) // BLOCK_SIZE) + 1
+    held = BLOCK_SIZE * max(max(args.batch_sizes) * seq_blocks, doctor_batch * -(-max_len // BLOCK_SIZE))
+    llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held)
+    for batch in args.batch_sizes:
+        rows.append(measure_fuselab(llm, batch, args))
+        print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
+    if not args.quick:
+        prompts = _prompts(doctor_batch, args.prompt_len, llm.config.vocab_size)
+        with engine_step(llm, prompts, max_tokens=DOCTOR_TOKENS) as step:
+            doctor[mode] = diagnose_step(step)
+
+
 def measure(args: argparse.Namespace) -> dict:
     modes = [m for m in args.modes if not (args.no_hf and m in HF_MODES)]
     new_tokens = 32 if args.quick else args.new_tokens
     args.new_tokens = new_tokens
     roof = ceilings()
     context = args.prompt_len + new_tokens / 2  # the mean context a decode step reads
-    doctor_batch = min(args.batch_sizes)
-    rows, doctor = [], {}
+    rows, doctor, failed = [], {}, {}
     for mode in modes:
         print(f"{mode}: building", flush=True)
-        if mode in HF_MODES:
-            model = build_hf(args.preset)
-            if mode == "hf-compile":
-                # transformers' own fast path: with a static cache, generate compiles the decoding
-                # forward itself (its CompileConfig, reduce-overhead). Compiling model.forward on top
-                # of that nests two CUDA-graph trees, whose outputs overwrite each other.
-                from transformers import CompileConfig
-
-                model.generation_config.cache_implementation = "static"
-                model.generation_config.compile_config = CompileConfig(mode="reduce-overhead")
-            for batch in args.batch_sizes:
-                rows.append(measure_hf(mode, model, batch, args))
-                print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-            if mode == "hf" and not args.quick:
-                ids = torch.tensor(_prompts(doctor_batch, args.prompt_len, model.config.vocab_size), device="cuda")
-                doctor[mode] = diagnose_step(_hf_decode_step(model, ids))
-            del model
-        else:
-            max_len = args.prompt_len + max(new_tokens, DOCTOR_TOKENS) + BLOCK_SIZE
-            seq_blocks = -(-(args.prompt_len + new_tokens + 1) // BLOCK_SIZE) + 1
-            held = BLOCK_SIZE * max(max(args.batch_sizes) * seq_blocks, doctor_batch * -(-max_len // BLOCK_SIZE))
-            llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held)
-            for batch in args.batch_sizes:
-                rows.append(measure_fuselab(llm, batch, args))
-                print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-            if not args.quick:
-                prompts = _prompts(doctor_batch, args.prompt_len, llm.config.vocab_size)
-                with engine_step(llm, prompts, max_tokens=DOCTOR_TOKENS) as step:
-                    doctor[mode] = diagnose_step(step)
-            del llm
+        try:
+            (_measure_hf_mode if mode in HF_MODES else _measure_engine_mode)(mode, args, rows, doctor)
+        except Exception as err:  # noqa: BLE001
+            # One mode's failure (a baseline's compiler, say) costs its own rows, not the run's.
+            failed[mode] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            traceback.print_exc()
+            print(f"{mode} failed: {failed[mode]}; going on with the other modes", flush=True)
         _release()
     for row in rows:
         row["roofline_tok_s"] = roofline_tok_s(args.preset, row["batch"], context, roof.copy_bandwidth_gbs)
@@ -334,9 +345,10 @@ def measure(args: argparse.Namespace) -> dict:
                    "batch_sizes": args.batch_sizes, "modes": modes, "weight_bytes": weights,
                    "kv_bytes_per_token": kv_per_token, "mean_context": context,
                    "copy_bandwidth_gbs": roof.copy_bandwidth_gbs, "ceilings_source": roof.source,
-                   "doctor_batch": doctor_batch},
+                   "doctor_batch": min(args.batch_sizes)},
         "rows": rows,
         "doctor": doctor,
+        "failed": failed,
     }
 
 
@@ -393,6 +405,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 1 + "---:|" * (len(COLUMNS) - 1),
         *["| " + " | ".join(row) + " |" for row in _table_rows(result)],
     ]
+    lines += [f"- {mode} failed, so it has no rows (or only those before the failure): {err}"
+              for mode, err in result.get("failed", {}).items()]
     if result["doctor"]:
         lines += ["", f"## The doctor on one decode step, batch {result['config']['doctor_batch']}", "",
                   "| " + " | ".join(DOCTOR_COLUMNS) + " |", "|---|---|" + "---:|" * (len(DOCTOR_COLUMNS) - 2),
@@ -407,15 +421,15 @@ def write_plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = result["config"]["modes"]
+    modes = [m for m in result["config"]["modes"] if any(r["mode"] == m for r in result["rows"])]
     batches = result["config"]["batch_sizes"]
     fig, (rates, shares) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         rows = {r["batch"]: r for r in result["rows"] if r["mode"] == mode}
         xs = [j + i * width for j in range(len(batches))]
-        rates.bar(xs, [rows[b]["decode_tok_s"] or 0 for b in batches], width, label=mode)
-        shares.bar(xs, [rows[b]["bandwidth_pct"] or 0 for b in batches], width, label=mode)
+        rates.bar(xs, [rows[b]["decode_tok_s"] or 0 if b in rows else 0 for b in batches], width, label=mode)
+        shares.bar(xs, [rows[b]["bandwidth_pct"] or 0 if b in rows else 0 for b in batches], width, label=mode)
     for ax, label in ((rates, "decode tok/s"), (shares, "bandwidth achieved, % of roofline")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
         ax.set(ylabel=label, title=f"{result['config']['preset']} on {result['header']['device']['name']}")
@@ -446,6 +460,8 @@ def print_table(result: dict) -> None:
         for row in _doctor_rows(result):
             table.add_row(*row)
         console.print(table)
+    for mode, err in result.get("failed", {}).items():
+        console.print(f"[red]{mode} failed:[/] {err}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -459,4 +475,4 @@ def run(args: argparse.Namespace) -> int:
     write_markdown(result, out / "decode.md")
     write_plot(result, out / "decode.png")
     print(f"wrote {out / 'decode.json'}, {out / 'decode.md'}, {out / 'decode.png'}")
-    return 0
+    return 1 if result["failed"] else 0
