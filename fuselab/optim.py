@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fuselab.device import triton_interpreted
+from fuselab.kernels._launch import cdiv
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements one program updates, and its warps: measured on an H200 (scripts/tune-kernels, 64 x 4096^2
@@ -273,7 +274,7 @@ class FusedAdamW(torch.optim.Optimizer):
             state = self._state_of(p, needs_master)
             master_address = state["master"].data_ptr() if needs_master else 0
             rows.append([p.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), master_address, p.numel()])
-            tiles.extend([index, tile] for tile in range(triton.cdiv(p.numel(), BLOCK)))
+            tiles.extend([index, tile] for tile in range(cdiv(p.numel(), BLOCK)))
         aligned = all(address % 16 == 0 for row in rows for address in row[:_NUMEL])
         return _Bucket(
             params=params,

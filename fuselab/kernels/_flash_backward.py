@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._flash_common import backward_config, dot_precision, new_row_stats, padded_head_dim, row_strides
+from fuselab.kernels._launch import cdiv
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -255,18 +256,18 @@ def flash_backward(
     q_strides, do_strides = row_strides(q, varlen), row_strides(dout, varlen)
     kv_strides = (*row_strides(k, varlen), *row_strides(v, varlen))
 
-    _delta_kernel[(triton.cdiv(seq_q, cfg.block_m2), batch * heads)](
+    _delta_kernel[(cdiv(seq_q, cfg.block_m2), batch * heads)](
         out, dout, delta, cu, *row_strides(out, varlen), *do_strides, stride_lb, stride_lh, heads, seq_q,
         BLOCK_M=cfg.block_m2, **shape,
     )
-    _flash_backward_dkdv_kernel[(triton.cdiv(seq_k, cfg.block_n1), batch * kv_heads)](
+    _flash_backward_dkdv_kernel[(cdiv(seq_k, cfg.block_n1), batch * kv_heads)](
         q, k, v, dout, dk, dv, lse, delta, cu, *q_strides, *kv_strides, *do_strides,
         *row_strides(dk, varlen), *row_strides(dv, varlen), stride_lb, stride_lh,
         kv_heads, heads // kv_heads, seq_q, seq_k, scale, qk_scale,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),
         **shape, **launch,
     )
-    _flash_backward_dq_kernel[(triton.cdiv(seq_q, cfg.block_m2), batch * heads)](
+    _flash_backward_dq_kernel[(cdiv(seq_q, cfg.block_m2), batch * heads)](
         q, k, v, dout, dq, lse, delta, cu, *q_strides, *kv_strides, *do_strides, *row_strides(dq, varlen),
         stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale, qk_scale,
         BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.device import triton_interpreted
+from fuselab.kernels._launch import next_power_of_2
+from fuselab.kernels._validate import INTERPRETED
 
 
 @triton.jit
@@ -108,12 +109,12 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 
 def padded_head_dim(head_dim: int) -> int:
-    return triton.next_power_of_2(head_dim)
+    return next_power_of_2(head_dim)
 
 
 def forward_config(head_dim: int) -> ForwardConfig:
-    return INTERPRETER_FORWARD if triton_interpreted() else FORWARD_CONFIGS[padded_head_dim(head_dim)]
+    return INTERPRETER_FORWARD if INTERPRETED else FORWARD_CONFIGS[padded_head_dim(head_dim)]
 
 
 def backward_config(head_dim: int) -> BackwardConfig:
-    return INTERPRETER_BACKWARD if triton_interpreted() else BACKWARD_CONFIGS[padded_head_dim(head_dim)]
+    return INTERPRETER_BACKWARD if INTERPRETED else BACKWARD_CONFIGS[padded_head_dim(head_dim)]

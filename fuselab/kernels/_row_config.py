@@ -9,7 +9,8 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
+
+from fuselab.kernels._launch import cdiv, next_power_of_2
 
 # Elements of one row that a program keeps in registers. Longer rows take the looped kernels, which
 # stream the row in blocks of this size. Each op module reads its own copy at call time, so tests
@@ -36,7 +37,7 @@ def _warps_for(block: int) -> int:
 
 @functools.cache
 def row_config(n_cols: int, max_block: int) -> RowConfig:
-    block = min(triton.next_power_of_2(max(n_cols, 1)), max_block)
+    block = min(next_power_of_2(max(n_cols, 1)), max_block)
     return RowConfig(block, _warps_for(block), n_cols > block)
 
 
@@ -50,8 +51,8 @@ def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
     # A few programs per SM (fewer when each is wide) keep the GPU busy while keeping the
     # per-program partial sums, which the host adds up afterwards, small.
     target = sm_count * max(1, 32 // num_warps)
-    rows_per_program = triton.cdiv(n_rows, min(n_rows, target))
-    return triton.cdiv(n_rows, rows_per_program), rows_per_program
+    rows_per_program = cdiv(n_rows, min(n_rows, target))
+    return cdiv(n_rows, rows_per_program), rows_per_program
 
 
 def row_groups(n_rows: int, num_warps: int, device: torch.device) -> tuple[int, int]:

@@ -11,8 +11,10 @@ from fuselab.device import triton_interpreted
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# Compiled kernels read CUDA memory; the interpreter reads CPU tensors. Decided once, at import.
-KERNEL_DEVICE_TYPE = "cpu" if triton_interpreted() else "cuda"
+# Compiled kernels read CUDA memory; the interpreter reads CPU tensors. Decided once, at import
+# (reading the environment on every launch costs a decode step microseconds).
+INTERPRETED = triton_interpreted()
+KERNEL_DEVICE_TYPE = "cpu" if INTERPRETED else "cuda"
 
 
 def check_float_tensor(name: str, t: object) -> None:

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._launch import cdiv
 from fuselab.kernels._validate import check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ _NUM_WARPS = 8
 
 @functools.lru_cache(maxsize=4096)
 def _grid(n_elements: int) -> tuple[int]:
-    return (triton.cdiv(n_elements, _BLOCK),)
+    return (cdiv(n_elements, _BLOCK),)
 
 
 def add_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

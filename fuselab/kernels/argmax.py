@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._launch import cdiv, next_power_of_2
 from fuselab.kernels._validate import check_float_tensor
 
 # --------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ def argmax_launch(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     chunk = CHUNK
-    n_chunks = triton.cdiv(n_cols, chunk)
+    n_chunks = cdiv(n_cols, chunk)
     if n_chunks == 1:
         # The chunk's index is the row's answer: written straight into the output, no merge.
         _argmax_chunk_kernel[(rows, 1)](
@@ -108,7 +109,7 @@ def argmax_launch(x: torch.Tensor) -> torch.Tensor:
     _argmax_chunk_kernel[(rows, n_chunks)](
         x, values, indices, x.stride(0), n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, num_warps=CHUNK_WARPS
     )
-    merge_block = min(triton.next_power_of_2(n_chunks), MAX_MERGE_BLOCK)
+    merge_block = min(next_power_of_2(n_chunks), MAX_MERGE_BLOCK)
     _argmax_merge_kernel[(rows,)](values, indices, out, n_chunks, n_cols, BLOCK=merge_block, num_warps=1)
     return out
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._launch import next_power_of_2
 from fuselab.kernels._validate import check_float_tensor
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -114,7 +115,7 @@ def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_c
 
 
 def _launch_config(n_vocab: int) -> tuple[int, int]:
-    chunk = min(MAX_FUSED_BLOCK, triton.next_power_of_2(n_vocab))
+    chunk = min(MAX_FUSED_BLOCK, next_power_of_2(n_vocab))
     num_warps = max(4, min(32, chunk // 1024))
     return chunk, num_warps
 

@@ -29,6 +29,7 @@ from fuselab.kernels._flash_common import (
     padded_head_dim,
     row_strides,
 )
+from fuselab.kernels._launch import cdiv
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def flash_forward(
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
     cfg = forward_config(head_dim)
-    grid = (triton.cdiv(seq_q, cfg.block_m), batch * heads)
+    grid = (cdiv(seq_q, cfg.block_m), batch * heads)
     _flash_forward_kernel[grid](
         q, k, v, out, lse, cu_seqlens if varlen else lse,
         *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(out, varlen),

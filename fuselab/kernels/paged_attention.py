@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.device import triton_interpreted
 from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS, dot_precision, padded_head_dim
-from fuselab.kernels._validate import check_float_tensor
+from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels._validate import INTERPRETED, check_float_tensor
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -168,7 +168,7 @@ PROGRAMS_PER_SM = 4
 
 
 def decode_config(head_dim: int) -> DecodeConfig:
-    return INTERPRETER_DECODE if triton_interpreted() else DECODE_CONFIGS[padded_head_dim(head_dim)]
+    return INTERPRETER_DECODE if INTERPRETED else DECODE_CONFIGS[padded_head_dim(head_dim)]
 
 
 @functools.cache
@@ -180,8 +180,8 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, dev
     """How many parts to cut each context into, from static sizes only (so a CUDA graph can hold it)."""
     sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    to_fill_gpu = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(1, batch * kv_heads))
-    by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+    to_fill_gpu = cdiv(PROGRAMS_PER_SM * sm_count, max(1, batch * kv_heads))
+    by_length = cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return max(1, min(max_splits, to_fill_gpu, by_length))
 
 
@@ -190,7 +190,7 @@ def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), token_width,
-        PAGE_SIZE=k_cache.shape[1], BLOCK=triton.next_power_of_2(token_width), num_warps=4,
+        PAGE_SIZE=k_cache.shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
     )
 
 
@@ -202,12 +202,13 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
     cfg = decode_config(head_dim)
     part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
+        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0),
         splits, scale * math.log2(math.e),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -215,7 +216,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
     # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
     _decode_merge_kernel[(batch * heads,)](
         part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
     )
     return out
 

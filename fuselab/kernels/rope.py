@@ -18,12 +18,14 @@ with it off, apply_rope's kernel compiles as it always has.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._launch import next_power_of_2
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
 from fuselab.kernels.paged_attention import check_store_inputs
 
@@ -160,9 +162,8 @@ def _rope_kernel(
 
 def _token_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a [B, S, H, D] or [T, H, D] tensor."""
-    if t.dim() == 4:
-        return t.stride(0), t.stride(1), t.stride(2)
-    return 0, t.stride(0), t.stride(1)
+    stride = t.stride()
+    return stride[:3] if len(stride) == 4 else (0, *stride[:2])
 
 
 def _positions_strides(positions: torch.Tensor) -> tuple[int, int]:
@@ -173,11 +174,32 @@ def _positions_strides(positions: torch.Tensor) -> tuple[int, int]:
 
 
 def _head_block(n_heads: int, block_half: int) -> int:
-    return max(1, min(triton.next_power_of_2(max(n_heads, 1)), _TILE_ELEMENTS // block_half))
+    return max(1, min(next_power_of_2(max(n_heads, 1)), _TILE_ELEMENTS // block_half))
 
 
 # In the order of _rope_kernel's cache-store arguments, for a launch without the store.
 _NO_STORE = (None,) * 13
+
+
+@functools.cache
+def _rope_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool, inverse: bool,
+               v_heads: int | None, page_size: int | None) -> dict:
+    """The kernel's compile-time arguments, once per shape: a decode step asks for the same ones
+    every layer. v_heads and page_size are None for a launch without the cache store."""
+    half = rotary_dim // 2
+    block_half = next_power_of_2(half)
+    pass_dims = head_dim - rotary_dim
+    meta = dict(
+        HALF=half, BLOCK_HALF=block_half,
+        BLOCK_Q_HEADS=_head_block(q_heads, block_half), BLOCK_K_HEADS=_head_block(k_heads, block_half),
+        HEAD_DIM=head_dim, BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims else 0,
+        INTERLEAVED=interleaved, INVERSE=inverse,
+        STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None,
+    )
+    if page_size is not None:
+        block_d = next_power_of_2(head_dim)
+        meta.update(STORE_KV=True, PAGE_SIZE=page_size, BLOCK_V_HEADS=_head_block(v_heads, block_d), BLOCK_D=block_d)
+    return meta
 
 
 def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, store=None):
@@ -191,21 +213,17 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if n_tokens == 0:
         return q_out, k_out
-    half = rotary_dim // 2
-    block_half = triton.next_power_of_2(half)
-    pass_dims = head_dim - rotary_dim
     if store is None:
-        store_args, store_meta = _NO_STORE, dict(STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None)
+        store_args = _NO_STORE
+        meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, None, None)
     else:
         v, k_cache, v_cache, slot_mapping = store
-        block_d = triton.next_power_of_2(head_dim)
         store_args = (
-            v, v.stride(0), v.stride(1), slot_mapping, slot_mapping.stride(0),
-            k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            v, *v.stride()[:2], slot_mapping, slot_mapping.stride(0),
+            k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
         )
-        store_meta = dict(STORE_KV=True, PAGE_SIZE=k_cache.shape[1], BLOCK_V_HEADS=_head_block(v.shape[1], block_d),
-                          BLOCK_D=block_d)
+        meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, v.shape[1],
+                          k_cache.shape[1])
     _rope_kernel[(n_tokens,)](
         q, *_token_strides(q),
         k, *_token_strides(k),
@@ -214,11 +232,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
         positions, *_positions_strides(positions),
         cos_sin, cos_sin.stride(0), cos_sin.shape[0],
         seq_len, q.shape[-2], k.shape[-2],
-        *store_args,
-        HALF=half, BLOCK_HALF=block_half,
-        BLOCK_Q_HEADS=_head_block(q.shape[-2], block_half), BLOCK_K_HEADS=_head_block(k.shape[-2], block_half),
-        HEAD_DIM=head_dim, BLOCK_PASS=triton.next_power_of_2(pass_dims) if pass_dims else 0,
-        INTERLEAVED=interleaved, INVERSE=inverse, **store_meta,
+        *store_args, **meta,
     )
     return q_out, k_out
 

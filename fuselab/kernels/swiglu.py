@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._launch import cdiv, next_power_of_2
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -61,8 +62,8 @@ _NUM_WARPS = 8
 
 @functools.lru_cache(maxsize=4096)
 def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
-    block = min(_MAX_BLOCK, triton.next_power_of_2(n_cols))
-    return (n_rows, triton.cdiv(n_cols, block)), block
+    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    return (n_rows, cdiv(n_cols, block)), block
 
 
 def swiglu_forward(
