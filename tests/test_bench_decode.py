@@ -91,3 +91,23 @@ def test_a_failing_mode_costs_its_own_rows_only(monkeypatch, tmp_path, capsys):
     bench_decode.write_plot(result, tmp_path / "decode.png")  # hf has no batch-8 row
     bench_decode.print_table(result)
     assert "hf-compile failed" in capsys.readouterr().out
+
+
+def test_hf_compile_uses_transformers_own_compile_path(monkeypatch):
+    """Compiling model.forward on top of generate's own static-cache compile nests two CUDA-graph
+    trees whose outputs overwrite each other (it crashed on the H200): the harness must only ask
+    transformers for its path."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config)
+    forward = model.forward
+    seen = []
+    monkeypatch.setattr(bench_decode, "build_hf", lambda preset: model)
+    monkeypatch.setattr(bench_decode, "measure_hf", lambda mode, m, batch, args: seen.append(m) or
+                        dict(mode=mode, batch=batch, decode_tok_s=1.0))
+    rows = []
+    bench_decode._measure_hf_mode("hf-compile", _args("--quick"), rows, {})
+    assert seen == [model] and model.forward == forward
+    assert model.generation_config.cache_implementation == "static"
+    assert model.generation_config.compile_config.mode == "reduce-overhead"
