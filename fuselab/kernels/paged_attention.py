@@ -54,11 +54,11 @@ def _store_kv_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, OUT, ARRIVALS,
     stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, num_splits, qk_scale,
+    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
@@ -112,6 +112,41 @@ def _decode_split_kernel(
     tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
     out = acc / l_safe[:, None]
     tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
+    if FUSED_MERGE:
+        # The last of the splits of this (sequence, kv head) to finish merges them all: no second
+        # kernel. Every thread's stores come before the counter's release; the last program's acquire
+        # makes the other programs' parts visible, and it re-arms the counter for the next call.
+        tl.debug_barrier()
+        counter = ARRIVALS + batch * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.store(counter, 0)
+            _merge_group(PART_OUT, PART_LSE, OUT, batch, heads, head_ok, num_heads, num_splits,
+                         stride_ob, stride_oh, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _merge_group(PART_OUT, PART_LSE, OUT, batch, heads, head_ok, num_heads, num_splits, stride_ob, stride_oh,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[batch, heads] from the num_splits partial outputs and log-sum-exps of those heads."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    first = (batch * num_heads + heads).to(tl.int64) * num_splits
+    # .cg: from L2, where the other programs' parts are, never a stale L1 line of an earlier call.
+    m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(PART_LSE + first + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
+    total = tl.zeros(heads.shape, dtype=tl.float32)
+    acc = tl.zeros([heads.shape[0], BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.math.exp2(tl.load(PART_LSE + first + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg") - m)
+        part = tl.load(PART_OUT + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=head_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        total += w
+        acc += w[:, None] * part
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(OUT + batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -176,6 +211,22 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# The split kernel merges its own parts (the last split to finish does it) instead of a second kernel.
+FUSED_MERGE = True
+
+# Per device: int32 arrival counters, one per (sequence, kv head), zero between calls (the merging
+# program re-arms its own). A buffer that is outgrown stays referenced: a captured CUDA graph may
+# still point at it.
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 4096), device=device, dtype=torch.int32))
+    return buffers[-1]
+
+
 def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, device: torch.device) -> int:
     """How many parts to cut each context into, from static sizes only (so a CUDA graph can hold it)."""
     sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -194,7 +245,9 @@ def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
-def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) -> torch.Tensor:
+def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, fused_merge: bool | None = None
+                  ) -> torch.Tensor:
+    fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -202,22 +255,24 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
     cfg = decode_config(head_dim)
     part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
+    arrivals = _arrival_counters(q.device, batch * kv_heads) if fused_merge else part_lse
     q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, arrivals,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
-        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0),
+        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FUSED_MERGE=fused_merge, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
-    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
-    _decode_merge_kernel[(batch * heads,)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
-    )
+    if not fused_merge:
+        # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
+        _decode_merge_kernel[(batch * heads,)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
+        )
     return out
 
 
