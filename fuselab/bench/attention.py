@@ -63,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seq 4096 at head dim 128, decode batch 8 at contexts 4096 and 32768, shorter timing")
     parser.add_argument("--sweep", action="store_true",
                         help="also time candidate launch configs of the prefill forward (seq 4096) and decode "
-                             "(batch 8, context 8192) kernels per head dim, and the decode split target "
-                             "(PROGRAMS_PER_SM, batch 8, contexts 4096 and 32768), and report the fastest: the figures "
-                             "behind FORWARD_CONFIGS, DECODE_CONFIGS and PROGRAMS_PER_SM; --only limits it to one half")
+                             "(batch 8, context 8192) kernels per head dim, and the decode split count at batch 1/8/64 "
+                             "and contexts 4k-32k, and report the fastest: the figures behind FORWARD_CONFIGS, "
+                             "DECODE_CONFIGS and the split rule; --only limits it to one half")
     parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
                         help="folder for attention.json and attention.md (default benchmarks/results)")
 
@@ -209,8 +209,10 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
 def forward_candidates() -> list:
     from fuselab.kernels._flash_common import ForwardConfig
 
-    return [ForwardConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
-            if m % n == 0]
+    plain = [ForwardConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+             if m % n == 0]
+    specialized = [ForwardConfig(128, n, w, s, True) for n in (64, 128) for w in (4, 8) for s in (2, 3)]
+    return plain + specialized
 
 
 def decode_candidates() -> list:
@@ -235,18 +237,26 @@ def _time_configs(table: dict, key: int, candidates: list, step: Callable[[], ob
     return sorted(timed, key=lambda t: t["median_us"])
 
 
-def _time_programs_per_sm(workload: dict, timing: dict) -> list[dict]:
-    """Decode timed with each target of programs per SM (it sets the split count), fastest first."""
-    from fuselab.kernels import decode_attention, paged_attention
+SPLIT_SWEEP_WORKLOADS = ((1, 4096), (1, 32768), (8, 4096), (8, 16384), (8, 32768), (64, 4096))
+SPLIT_SWEEP_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
-    original, timed = paged_attention.PROGRAMS_PER_SM, []
+
+def _time_split_counts(workload: dict, timing: dict) -> list[dict]:
+    """Decode timed at each split count, for each pipeline depth of the current config, fastest first."""
+    from fuselab.kernels import paged_attention
+
+    w, head_dim = workload, workload["q"].shape[-1]
+    original, timed = paged_attention.DECODE_CONFIGS[head_dim], []
     try:
-        for per_sm in (2, 4, 8, 16):
-            paged_attention.PROGRAMS_PER_SM = per_sm
-            timed.append({"config": {"programs_per_sm": per_sm},
-                          "median_us": bench(lambda: decode_attention(**workload), **timing).median_us})
+        for stages in (2, 3):
+            paged_attention.DECODE_CONFIGS[head_dim] = original._replace(num_stages=stages)
+            for splits in SPLIT_SWEEP_COUNTS:
+                step = lambda: paged_attention.decode_launch(w["q"], w["k_cache"], w["v_cache"], w["block_tables"],  # noqa: E731
+                                                             w["seq_lens"], head_dim**-0.5, splits)
+                timed.append({"config": {"splits": splits, "num_stages": stages},
+                              "median_us": bench(step, **timing).median_us})
     finally:
-        paged_attention.PROGRAMS_PER_SM = original
+        paged_attention.DECODE_CONFIGS[head_dim] = original
     return sorted(timed, key=lambda t: t["median_us"])
 
 
@@ -273,11 +283,13 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
                           lambda: decode_attention(**w), timing)
     out.append({"kernel": "decode", "head_dim": DECODE_HEAD_DIM, "causal": None,
                 "current": paged_attention.DECODE_CONFIGS[DECODE_HEAD_DIM]._asdict(), "best": timed[:3]})
-    for context in (4096, 32768):  # batch 8: too few (batch, kv head) pairs to fill the GPU without splits
-        w = paged_workload(8, context, dtype)
-        out.append({"kernel": f"decode batch 8 context {context}, programs per SM", "head_dim": DECODE_HEAD_DIM,
-                    "causal": None, "current": {"programs_per_sm": paged_attention.PROGRAMS_PER_SM},
-                    "best": _time_programs_per_sm(w, timing)})
+    for batch, context in SPLIT_SWEEP_WORKLOADS:
+        w = paged_workload(batch, context, dtype)
+        timed = _time_split_counts(w, timing)
+        out.append({"kernel": f"decode batch {batch} context {context}, split count", "head_dim": DECODE_HEAD_DIM,
+                    "causal": None, "current": {"splits": paged_attention.num_splits(batch, DECODE_KV_HEADS, context,
+                                                                                     32, w["q"].device)},
+                    "best": timed[:5], "all": timed})
         del w
         torch.cuda.empty_cache()
     return out

@@ -59,6 +59,7 @@ def _decode_split_kernel(
     stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
@@ -120,33 +121,33 @@ def _decode_split_kernel(
         counter = ARRIVALS + batch * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)
-            _merge_group(PART_OUT, PART_LSE, OUT, batch, heads, head_ok, num_heads, num_splits,
-                         stride_ob, stride_oh, HEAD_DIM, BLOCK_D)
+            _merge_group(PART_OUT, PART_LSE, OUT, batch, kv_head * GROUP, num_heads, num_splits,
+                         stride_ob, stride_oh, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD)
 
 
 @triton.jit
-def _merge_group(PART_OUT, PART_LSE, OUT, batch, heads, head_ok, num_heads, num_splits, stride_ob, stride_oh,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[batch, heads] from the num_splits partial outputs and log-sum-exps of those heads."""
+def _merge_group(PART_OUT, PART_LSE, OUT, batch, first_head, num_heads, num_splits, stride_ob, stride_oh,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out[batch, first_head : first_head + GROUP] from the heads' num_splits partial outputs and
+    log-sum-exps: a head's parts are one [splits, head_dim] tile, so its loads are all in flight at once."""
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
+    split_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    first = (batch * num_heads + heads).to(tl.int64) * num_splits
-    # .cg: from L2, where the other programs' parts are, never a stale L1 line of an earlier call.
-    m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(PART_LSE + first + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
-    total = tl.zeros(heads.shape, dtype=tl.float32)
-    acc = tl.zeros([heads.shape[0], BLOCK_D], dtype=tl.float32)
-    for s in range(num_splits):
-        w = tl.math.exp2(tl.load(PART_LSE + first + s, mask=head_ok, other=float("-inf"), cache_modifier=".cg") - m)
-        part = tl.load(PART_OUT + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=head_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        total += w
-        acc += w[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(OUT + batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+    for g in tl.static_range(GROUP):
+        head = first_head + g
+        row = (batch * num_heads + head).to(tl.int64) * num_splits
+        # .cg: from L2, where the other programs' parts are, never a stale L1 line of an earlier call.
+        lse = tl.load(PART_LSE + row + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(PART_OUT + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=split_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
+        weights = tl.math.exp2(lse - m)
+        total = tl.sum(weights, 0)
+        out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(OUT + batch.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
+                 mask=d_ok)
 
 
 @triton.jit
@@ -257,6 +258,8 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, fu
     part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
     arrivals = _arrival_counters(q.device, batch * kv_heads) if fused_merge else part_lse
+    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
+    splits_pad = max(2, next_power_of_2(splits))
     q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, arrivals,
@@ -265,13 +268,12 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, fu
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        FUSED_MERGE=fused_merge, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FUSED_MERGE=fused_merge, SPLITS_PAD=splits_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not fused_merge:
-        # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
         _decode_merge_kernel[(batch * heads,)](
             part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=splits_pad, num_warps=4,
         )
     return out
 
