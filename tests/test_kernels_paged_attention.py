@@ -59,21 +59,6 @@ def test_decode_is_the_same_for_any_split_count(device, short_splits, max_splits
     _check_decode(device, [100, 37], heads=4, kv_heads=1, head_dim=16, block_size=16, max_splits=max_splits)
 
 
-@pytest.mark.parametrize("fused_merge", [True, False])
-def test_decode_merges_in_the_split_kernel_or_in_a_second_one(device, short_splits, monkeypatch, fused_merge):
-    monkeypatch.setattr(paged, "FUSED_MERGE", fused_merge)
-    _check_decode(device, [0, 100, 37], heads=8, kv_heads=2, head_dim=16, block_size=16)
-
-
-def test_decode_rearms_its_arrival_counters_for_the_next_call(device, short_splits):
-    # The merging program resets its counter: a second call (another batch size, then the same)
-    # must merge again, not wait for arrivals counted by the first.
-    for lengths in ([100, 37], [5, 60, 200], [100, 37]):
-        _check_decode(device, lengths, heads=4, kv_heads=2, head_dim=16, block_size=16)
-    buffers = [b for d, bs in paged._ARRIVALS.items() if d.type == torch.device(device).type for b in bs]
-    assert buffers and not any(b.any() for b in buffers)
-
-
 def test_decode_with_more_splits_than_blocks_leaves_empty_splits_out(device, short_splits):
     # 200 tokens of capacity ask for many splits; a 3-token sequence fills only the first.
     _check_decode(device, [3, 20], heads=2, kv_heads=2, head_dim=16, block_size=16, max_seq_len=200, max_splits=8)
@@ -230,19 +215,6 @@ def test_gpu_decode_in_a_cuda_graph_replayed_with_new_lengths():
         graph.replay()
         expected = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
         assert_close(out, expected, torch.bfloat16)
-
-
-@pytest.mark.gpu
-def test_gpu_fused_merge_agrees_with_the_merge_kernel_over_many_calls():
-    # The last split to arrive merges: a memory-ordering slip shows as a wrong output now and then,
-    # so compare many calls of 32 splits against the two-kernel path, bit for bit.
-    lengths = [4096, 3000, 1, 2048, 4095, 700, 64, 1500]
-    k_cache, v_cache, block_tables, seq_lens = _paged_cache(lengths, 8, 128, 16, torch.bfloat16, "cuda")
-    q = _randn((8, 32, 128), torch.bfloat16, "cuda", 7)
-    for _ in range(200):
-        fused = paged.decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 128**-0.5, 32, fused_merge=True)
-        separate = paged.decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 128**-0.5, 32, fused_merge=False)
-        assert torch.equal(fused, separate)
 
 
 @pytest.mark.gpu

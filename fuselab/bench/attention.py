@@ -209,10 +209,8 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
 def forward_candidates() -> list:
     from fuselab.kernels._flash_common import ForwardConfig
 
-    plain = [ForwardConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
-             if m % n == 0]
-    specialized = [ForwardConfig(128, n, w, s, True) for n in (64, 128) for w in (4, 8) for s in (2, 3)]
-    return plain + specialized
+    return [ForwardConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+            if m % n == 0]
 
 
 def decode_candidates() -> list:

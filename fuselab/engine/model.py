@@ -8,7 +8,8 @@ Two sets of ops run the same layers: "eager" calls the plain-torch references of
 fuselab.kernels.reference, "fused" calls fuselab's Triton kernels: RMSNorm fused with the residual
 add, SwiGLU on the merged gate/up, RoPE and the KV-cache store in one launch, varlen flash attention
 for prefill, paged flash-decoding for decode, and a two-launch argmax for the greedy pick. The
-projections are cuBLAS GEMMs in both.
+projections are cuBLAS GEMMs in both, except that "fused" runs a one-row projection with few
+output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class AttentionMetadata:
 
 
 class Ops(NamedTuple):
+    linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
     rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
     silu_and_mul: Callable
     rope_and_store_kv: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
@@ -49,6 +51,7 @@ class Ops(NamedTuple):
 
 
 EAGER_OPS = Ops(
+    linear=reference.linear,
     rms_norm=reference.rms_norm,
     silu_and_mul=reference.silu_and_mul,
     rope_and_store_kv=reference.rope_and_store_kv,
@@ -58,6 +61,7 @@ EAGER_OPS = Ops(
 )
 
 FUSED_OPS = Ops(
+    linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
     silu_and_mul=kernels.silu_and_mul,
     rope_and_store_kv=kernels.rope_and_store_kv,
@@ -100,7 +104,7 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, cos_sin: torch.Tensor, max_model_len: int, ops: Ops) -> torch.Tensor:
         c = self.config
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, c.num_heads, c.head_dim)
         k = k.view(tokens, c.num_kv_heads, c.head_dim)
@@ -115,7 +119,7 @@ class Attention(nn.Module):
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = ops.decode_attention(q, k_cache, v_cache, attn.block_tables, attn.seq_lens, self.scale, max_model_len)
-        return self.o_proj(o.reshape(tokens, c.q_size))
+        return ops.linear(o.reshape(tokens, c.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -125,7 +129,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

@@ -9,6 +9,7 @@ from fuselab.kernels.add import add
 from fuselab.kernels.argmax import argmax
 from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.layer_norm import layer_norm
+from fuselab.kernels.linear import linear
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
@@ -27,6 +28,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_varlen",
     "layer_norm",
+    "linear",
     "rms_norm",
     "rope_and_store_kv",
     "rope_cos_sin",

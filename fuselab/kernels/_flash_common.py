@@ -72,7 +72,6 @@ class ForwardConfig(NamedTuple):
     block_n: int  # keys per loop step; block_m must be a multiple of it (causal diagonal)
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False  # Triton's producer/consumer warp groups for the key loop
 
 
 class BackwardConfig(NamedTuple):

@@ -46,7 +46,7 @@ _TAIL = tl.constexpr(2)  # the last, partial key block of non-causal attention: 
 def _attend_keys(
     acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi, seq_k, qk_scale,
     STAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Folds key blocks [lo, hi) into the running (acc, row sum l_i, row max m_i) of one query block."""
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
@@ -57,7 +57,7 @@ def _attend_keys(
     v_ptrs = V_base + offs_n[:, None] * stride_vs + offs_d[None, :]
     d_row = (offs_d < HEAD_DIM)[:, None]
     d_col = (offs_d < HEAD_DIM)[None, :]
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         keys = start_n + offs_n
         key_ok = keys < seq_k
@@ -92,7 +92,7 @@ def _flash_forward_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     num_heads, group_size, seq_q, seq_k, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (query blocks, batch · heads). Causal programs differ in cost by their row, so the
     # costliest (last) query blocks are launched first and the cheap ones fill the tail.
@@ -130,18 +130,18 @@ def _flash_forward_kernel(
         # Keys left of this block's first row: all visible. Then the diagonal block, masked.
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
                                      0, start_m, seq_k, qk_scale,
-                                     _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, WARP_SPECIALIZE)
+                                     _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
                                      start_m, tl.minimum(start_m + BLOCK_M, seq_k), seq_k, qk_scale,
-                                     _DIAGONAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, WARP_SPECIALIZE)
+                                     _DIAGONAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     else:
         full_end = seq_k - seq_k % BLOCK_N
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
                                      0, full_end, seq_k, qk_scale,
-                                     _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, WARP_SPECIALIZE)
+                                     _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
                                      full_end, seq_k, seq_k, qk_scale,
-                                     _TAIL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, WARP_SPECIALIZE)
+                                     _TAIL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
 
     # The log-sum-exp in log2 units of the scaled scores: the backward recomputes p = exp2(s - lse).
     tl.store(LSE + batch * stride_lb + head.to(tl.int64) * stride_lh + first_row + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
@@ -186,7 +186,7 @@ def flash_forward(
         *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(out, varlen),
         stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), WARP_SPECIALIZE=cfg.warp_specialize,
+        CAUSAL=causal, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse

@@ -54,12 +54,11 @@ def _store_kv_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, OUT, ARRIVALS,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE,
     stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
+    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, num_splits, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
@@ -113,41 +112,6 @@ def _decode_split_kernel(
     tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
     out = acc / l_safe[:, None]
     tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
-    if FUSED_MERGE:
-        # The last of the splits of this (sequence, kv head) to finish merges them all: no second
-        # kernel. Every thread's stores come before the counter's release; the last program's acquire
-        # makes the other programs' parts visible, and it re-arms the counter for the next call.
-        tl.debug_barrier()
-        counter = ARRIVALS + batch * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
-            tl.store(counter, 0)
-            _merge_group(PART_OUT, PART_LSE, OUT, batch, kv_head * GROUP, num_heads, num_splits,
-                         stride_ob, stride_oh, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD)
-
-
-@triton.jit
-def _merge_group(PART_OUT, PART_LSE, OUT, batch, first_head, num_heads, num_splits, stride_ob, stride_oh,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """out[batch, first_head : first_head + GROUP] from the heads' num_splits partial outputs and
-    log-sum-exps: a head's parts are one [splits, head_dim] tile, so its loads are all in flight at once."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        head = first_head + g
-        row = (batch * num_heads + head).to(tl.int64) * num_splits
-        # .cg: from L2, where the other programs' parts are, never a stale L1 line of an earlier call.
-        lse = tl.load(PART_LSE + row + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(PART_OUT + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
-        weights = tl.math.exp2(lse - m)
-        total = tl.sum(weights, 0)
-        out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-        tl.store(OUT + batch.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty),
-                 mask=d_ok)
 
 
 @triton.jit
@@ -191,14 +155,14 @@ DECODE_CONFIGS: dict[int, DecodeConfig] = {
     16: DecodeConfig(64, 4, 3),
     32: DecodeConfig(64, 4, 3),
     64: DecodeConfig(64, 4, 3),
-    128: DecodeConfig(64, 4, 3),
+    128: DecodeConfig(64, 4, 2),
     256: DecodeConfig(32, 4, 3),
 }
 # A 32-token step crosses a page boundary at block_size 16 and stays inside one at 64.
 INTERPRETER_DECODE = DecodeConfig(32, 1, 1)
 
 # Splits shorter than this cost more in fixed work (query load, partial write, merge) than they save.
-MIN_TOKENS_PER_SPLIT = 256
+MIN_TOKENS_PER_SPLIT = 128
 # Enough programs to give every SM this many to interleave, so loads stay in flight.
 PROGRAMS_PER_SM = 4
 
@@ -212,27 +176,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# The split kernel merges its own parts (the last split to finish does it) instead of a second kernel.
-FUSED_MERGE = True
-
-# Per device: int32 arrival counters, one per (sequence, kv head), zero between calls (the merging
-# program re-arms its own). A buffer that is outgrown stays referenced: a captured CUDA graph may
-# still point at it.
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 4096), device=device, dtype=torch.int32))
-    return buffers[-1]
-
-
 def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, device: torch.device) -> int:
-    """How many parts to cut each context into, from static sizes only (so a CUDA graph can hold it)."""
+    """How many parts to cut each context into, from static sizes only (so a CUDA graph can hold it).
+
+    As many as fit PROGRAMS_PER_SM programs on every SM in one go, rounded down: a program over
+    budget starts a wave of its own and costs a whole part's time (`fuselab bench attention --sweep`).
+    """
     sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    to_fill_gpu = cdiv(PROGRAMS_PER_SM * sm_count, max(1, batch * kv_heads))
+    to_fill_gpu = PROGRAMS_PER_SM * sm_count // max(1, batch * kv_heads)
     by_length = cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return max(1, min(max_splits, to_fill_gpu, by_length))
 
@@ -246,9 +198,7 @@ def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
-def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, fused_merge: bool | None = None
-                  ) -> torch.Tensor:
-    fused_merge = FUSED_MERGE if fused_merge is None else fused_merge
+def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -256,25 +206,22 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, fu
     cfg = decode_config(head_dim)
     part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
-    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
-    arrivals = _arrival_counters(q.device, batch * kv_heads) if fused_merge else part_lse
-    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
-    splits_pad = max(2, next_power_of_2(splits))
     q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, arrivals,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
-        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
+        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0),
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        FUSED_MERGE=fused_merge, SPLITS_PAD=splits_pad, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not fused_merge:
-        _decode_merge_kernel[(batch * heads,)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=splits_pad, num_warps=4,
-        )
+    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
+    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
+    _decode_merge_kernel[(batch * heads,)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
+    )
     return out
 
 
