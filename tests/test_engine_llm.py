@@ -94,9 +94,9 @@ def test_padded_decode_rows_store_nothing_and_change_no_real_row(llm):
         seq.append_token(7)
         block_manager.append(seq)
         with torch.inference_mode():
-            alone, _ = llm.runner.decode_forward(llm.runner._decode_inputs_on_device([seq], rows=1))
+            alone, _ = llm.runner.decode_forward(llm.runner._stage_decode([seq], rows=1))
             cache = [k.clone() for k in llm.kv_cache.k]
-            padded, tokens = llm.runner.decode_forward(llm.runner._decode_inputs_on_device([seq], rows=8))
+            padded, tokens = llm.runner.decode_forward(llm.runner._stage_decode([seq], rows=8))
         # A GEMM of another row count may round differently: close, not equal.
         assert padded.shape[0] == tokens.shape[0] == 8 and torch.allclose(padded[:1], alone, atol=1e-5)
         slot = seq.block_table[0] * llm.kv_cache.block_size + 4  # the real row's token, rewritten

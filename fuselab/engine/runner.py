@@ -29,15 +29,23 @@ from fuselab.graphs import default_buckets
 class DecodeInputs(NamedTuple):
     """One decode step's inputs, a row per sequence; padding rows have slot -1 and context 0."""
 
-    input_ids: torch.Tensor  # [B] int64; -1: the token is still on the device, at last_tokens[prev_rows]
-    prev_rows: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64
+    input_ids: torch.Tensor  # [B] int32; -1: the token is still on the device, at last_tokens[prev_rows]
+    prev_rows: torch.Tensor  # [B] int32
+    positions: torch.Tensor  # [B] int32
     slot_mapping: torch.Tensor  # [B] int32
     seq_lens: torch.Tensor  # [B] int32, the new token included
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
 
-    def rows(self, n: int) -> "DecodeInputs":
-        return DecodeInputs(*(t[:n] for t in self))
+    @staticmethod
+    def view(buffer: torch.Tensor, rows: int, max_blocks: int) -> "DecodeInputs":
+        """Views of one int32 buffer laid out for `rows` rows: the five [rows] fields, then the
+        [rows, max_blocks] tables. One layout per batch size, so a step's inputs are one copy."""
+        fields = buffer[: _FIELDS * rows].view(_FIELDS, rows)
+        tables = buffer[_FIELDS * rows: rows * (_FIELDS + max_blocks)].view(rows, max_blocks)
+        return DecodeInputs(*fields.unbind(0), tables)
+
+
+_FIELDS = len(DecodeInputs._fields) - 1  # the per-row fields, block tables aside
 
 
 class StepOutput:
@@ -75,15 +83,20 @@ class ModelRunner:
         # step feeds them without the host having read them.
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._last_rows: dict[int, int] = {}
+        # A decode step's inputs are staged in pinned host memory and reach the device in one copy.
+        # Two host buffers take turns, so the host fills one while the other's copy may be pending.
+        size = max_num_seqs * (_FIELDS + self.max_blocks_per_seq)
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self._pin) for _ in range(2)]
+        self._staged = [None, None]  # the copy each host buffer last fed, as an event
+        self._device_inputs = torch.zeros(size, dtype=torch.int32, device=device)
+        self._steps = 0
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
-            self._static = self._decode_inputs_on_device([], max_num_seqs)
             # One logits buffer for every bucket: each graph would otherwise keep its own.
             self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, dtype=model.model.embed_tokens.weight.dtype,
                                               device=device)
-            self.graphs = DecodeGraphs(
-                lambda bucket: self.decode_forward(self._static.rows(bucket), self._static_logits[:bucket]),
-                default_buckets(max_num_seqs), device)
+            # Greedy tokens go straight to last_tokens from inside the graph: no copy after it.
+            self.graphs = DecodeGraphs(self._graph_step, default_buckets(max_num_seqs), device)
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -118,49 +131,68 @@ class ModelRunner:
         last = self._to_device([end - 1 for end in cu_seqlens[1:]], torch.int64)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), attn, last
 
-    def prepare_decode(self, seqs: list[Sequence], rows: int) -> DecodeInputs:
-        """Pinned host tensors of `rows` rows for each sequence's newest token (perhaps still in
-        flight), rows past len(seqs) padded."""
-        pad = rows - len(seqs)
-        positions = [s.num_tokens - 1 for s in seqs]
-        tables = torch.zeros((rows, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=self._pin)
-        view = tables.numpy()  # filled a row at a time: far cheaper than a tensor from nested lists
-        for i, s in enumerate(seqs):
-            view[i, : len(s.block_table)] = s.block_table
-        return DecodeInputs(
-            input_ids=self._pinned([-1 if s.num_inflight else s.last_token for s in seqs] + [0] * pad, torch.int64),
-            prev_rows=self._pinned([self._last_rows[s.seq_id] if s.num_inflight else 0 for s in seqs] + [0] * pad,
-                                   torch.int64),
-            positions=self._pinned(positions + [0] * pad, torch.int64),
-            slot_mapping=self._pinned([self._slot(s, p) for s, p in zip(seqs, positions)] + [-1] * pad, torch.int32),
-            seq_lens=self._pinned([s.num_tokens for s in seqs] + [0] * pad, torch.int32),
-            block_tables=tables,
-        )
+    def _device_view(self, rows: int) -> DecodeInputs:
+        return DecodeInputs.view(self._device_inputs, rows, self.max_blocks_per_seq)
 
-    def _decode_inputs_on_device(self, seqs: list[Sequence], rows: int) -> DecodeInputs:
-        return DecodeInputs(*(t.to(self.device, non_blocking=True) for t in self.prepare_decode(seqs, rows)))
+    def _stage_decode(self, seqs: list[Sequence], rows: int) -> DecodeInputs:
+        """The device inputs of `rows` rows for each sequence's newest token (perhaps still in
+        flight), rows past len(seqs) padded: filled on the host, sent in one asynchronous copy."""
+        turn = self._steps % 2
+        self._steps += 1
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()  # long done in a decode loop: its step was read since
+        host = self._staging[turn]
+        n, width = len(seqs), rows * (_FIELDS + self.max_blocks_per_seq)
+        view = host[:width].numpy()  # numpy writes: far cheaper than a tensor per field
+        view[:] = 0
+        fields = view[: _FIELDS * rows].reshape(_FIELDS, rows)
+        tables = view[_FIELDS * rows:].reshape(rows, self.max_blocks_per_seq)
+        for i, s in enumerate(seqs):
+            position = s.num_tokens - 1
+            inflight = s.num_inflight > 0
+            fields[0, i] = -1 if inflight else s.last_token
+            fields[1, i] = self._last_rows[s.seq_id] if inflight else 0
+            fields[2, i] = position
+            fields[3, i] = self._slot(s, position)
+            fields[4, i] = s.num_tokens
+            tables[i, : len(s.block_table)] = s.block_table
+        fields[3, n:] = -1  # padding rows: nothing stored, nothing attended
+        self._device_inputs[:width].copy_(host[:width], non_blocking=True)
+        if self._pin:
+            self._staged[turn] = torch.cuda.Event()
+            self._staged[turn].record()
+        return self._device_view(rows)
 
     # ---------------------------------------------------------------------------------------
     # Steps
     # ---------------------------------------------------------------------------------------
 
-    def decode_forward(self, inputs: DecodeInputs, logits_out: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits in the model's dtype, greedy tokens) of one decode step; the step a CUDA graph holds."""
+    def decode_forward(self, inputs: DecodeInputs, logits_out: torch.Tensor | None = None,
+                       tokens_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits in the model's dtype, greedy tokens) of one decode step; the step a CUDA graph
+        holds. With `tokens_out`, the greedy tokens are written there (and returned)."""
         # A row whose token the host has not read yet takes it from the previous step's output.
         input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
         attn = AttentionMetadata(is_prefill=False, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
         h, residual = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
         logits = self.model.compute_logits(h, residual, logits_out)
-        return logits, self.model.greedy(logits)
+        greedy = self.model.greedy(logits)
+        if tokens_out is None:
+            return logits, greedy
+        return logits, tokens_out.copy_(greedy)
+
+    def _graph_step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step DecodeGraphs warms up (on staged padding rows: no KV stored, no context) and
+        then captures (which runs nothing) over the device inputs each replay's copy refills."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        inputs = self._device_view(bucket) if capturing else self._stage_decode([], bucket)
+        return self.decode_forward(inputs, self._static_logits[:bucket], self.last_tokens[:bucket])
 
     def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphs is None:
-            return self.decode_forward(self._decode_inputs_on_device(seqs, len(seqs)))
-        bucket = self.graphs.bucket_for(len(seqs))
-        for static, host in zip(self._static.rows(bucket), self.prepare_decode(seqs, bucket)):
-            static.copy_(host, non_blocking=True)
+            return self.decode_forward(self._stage_decode(seqs, len(seqs)))
+        self._stage_decode(seqs, self.graphs.bucket_for(len(seqs)))
         return self.graphs.replay(len(seqs))
 
     @torch.inference_mode()
@@ -183,11 +215,14 @@ class ModelRunner:
             greedy = self.model.greedy(logits)
         else:
             logits, greedy = self._decode(seqs)
+        in_place = self.graphs is not None and not is_prefill  # the graph wrote greedy to last_tokens
         if all(s.params.greedy for s in seqs):
             tokens = greedy
         else:
             tokens = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.device))
-        self.last_tokens[: len(seqs)].copy_(tokens)
+            in_place = False
+        if not in_place:
+            self.last_tokens[: len(seqs)].copy_(tokens)
         self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
         for s in seqs:
             s.num_inflight += 1
