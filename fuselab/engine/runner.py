@@ -139,8 +139,9 @@ class ModelRunner:
         flight), rows past len(seqs) padded: filled on the host, sent in one asynchronous copy."""
         turn = self._steps % 2
         self._steps += 1
-        if self._staged[turn] is not None:
-            self._staged[turn].synchronize()  # long done in a decode loop: its step was read since
+        pending = self._staged[turn]
+        if pending is not None and not pending.query():  # long done in a decode loop: its step was read since
+            pending.synchronize()
         host = self._staging[turn]
         n, width = len(seqs), rows * (_FIELDS + self.max_blocks_per_seq)
         view = host[:width].numpy()  # numpy writes: far cheaper than a tensor per field
