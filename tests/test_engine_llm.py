@@ -83,27 +83,6 @@ def test_stop_token_ends_a_request_and_is_kept(llm):
     assert out.finish_reason == "stop" and out.token_ids == tokens[: tokens.index(stop) + 1]
 
 
-def test_decode_steps_reuse_a_set_of_input_buffers_only_once_its_step_is_read(llm):
-    """Decode steps alternate between two sets of host buffers, which a step (a graph replay) may
-    still be reading or writing after the host moved on: the third step must first read the first."""
-    seq = Sequence(0, [3, 4, 5, 6], SamplingParams(temperature=0), seed=0)
-    block_manager = llm.scheduler.block_manager
-    block_manager.allocate(seq)
-    try:
-        first_token = llm.runner.launch([seq], is_prefill=True).token_ids()
-        seq.append_token(first_token[0])
-        outputs = []
-        for _ in range(3):
-            block_manager.append(seq)
-            outputs.append(llm.runner.launch([seq], is_prefill=False))
-        assert outputs[0]._ids is not None and outputs[1]._ids is None  # read by the third launch only
-        tokens = [o.token_ids()[0] for o in outputs]
-        expected = llm.generate([3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=4))[0].token_ids
-        assert [first_token[0], *tokens] == expected
-    finally:
-        block_manager.free(seq)
-
-
 def test_padded_decode_rows_store_nothing_and_change_no_real_row(llm):
     """A CUDA-graph bucket pads a batch with rows of slot -1 and context 0: they must leave the KV
     cache and the real rows' logits as they are."""

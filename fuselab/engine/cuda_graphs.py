@@ -8,10 +8,8 @@ graph they cost one launch. A graph replays fixed addresses and shapes, so:
   them); a batch of b rows replays the graph of the smallest bucket >= b, rows b..bucket padded
   so that they change nothing (slot -1: their keys and values are not stored; context length 0:
   attention reads nothing) and their outputs ignored;
-- each bucket is captured `turns` times (the runner alternates two sets of host buffers, which the
-  graphs copy from and to, so the host fills one while the GPU may still read the other);
-- graphs are captured largest bucket first into one shared memory pool, so a smaller one reuses
-  the memory a larger one freed (the graphs replay one at a time, on one stream);
+- buckets are captured largest first into one shared memory pool, so a smaller bucket reuses the
+  memory a larger one freed (the graphs replay one at a time, on one stream);
 - the KV cache and the weights are bound by address: they are updated in place, never rebound.
 
 Prefill (a different token count every step) runs eagerly.
@@ -31,21 +29,19 @@ from fuselab.graphs import GraphCaptureError, bucket_for, explain_capture_error
 # cuBLAS workspace of the capture stream; the second lets the caching allocator settle.
 _WARMUP_CALLS = 2
 
-DecodeStep = Callable[[int, int], tuple[torch.Tensor, ...]]
+DecodeStep = Callable[[int], tuple[torch.Tensor, ...]]
 
 
 class DecodeGraphs:
-    """`step(bucket, turn)` runs the decode step on the first `bucket` rows of the static buffers
-    of `turn` and returns its outputs (each with the batch as dim 0); `capture()` records it per
-    bucket and turn, and `replay(batch, turn)` runs the bucket that holds `batch` rows, returning
-    the first `batch` rows."""
+    """`step(bucket)` runs the decode step on the first `bucket` rows of the static input buffers
+    and returns its outputs (each with the batch as dim 0); `capture()` records it per bucket and
+    `replay(batch)` runs the bucket that holds `batch` rows, returning the first `batch` rows."""
 
-    def __init__(self, step: DecodeStep, buckets: tuple[int, ...], device: torch.device, turns: int = 1) -> None:
+    def __init__(self, step: DecodeStep, buckets: tuple[int, ...], device: torch.device) -> None:
         self.step = step
         self.buckets = buckets
         self.device = device
-        self.turns = turns
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]] = {}
         self.capture_s = 0.0
         self.replays = 0  # how many decode steps ran from a graph
 
@@ -62,29 +58,28 @@ class DecodeGraphs:
         # creates its per-stream state (the cuBLAS workspace) before capture.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(caller)
-        keys = [(bucket, turn) for bucket in reversed(self.buckets) for turn in range(self.turns)]
         with torch.cuda.stream(stream):
-            for key in keys:
+            for bucket in reversed(self.buckets):
                 for _ in range(_WARMUP_CALLS):
-                    self.step(*key)
+                    self.step(bucket)
         torch.cuda.synchronize(self.device)
         pool = torch.cuda.graph_pool_handle()
-        for key in keys:  # largest first: smaller ones reuse its freed blocks
+        for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its freed blocks
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    outputs = self.step(*key)
+                    outputs = self.step(bucket)
             except Exception as err:
                 torch.cuda.set_stream(caller)  # a failed capture leaves the capture stream current
                 recover_from_failed_capture()
-                raise GraphCaptureError(explain_capture_error(err, "the decode step", key[0])) from err
-            self.graphs[key] = (graph, outputs)
+                raise GraphCaptureError(explain_capture_error(err, "the decode step", bucket)) from err
+            self.graphs[bucket] = (graph, outputs)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
 
-    def replay(self, batch: int, turn: int = 0) -> tuple[torch.Tensor, ...]:
+    def replay(self, batch: int) -> tuple[torch.Tensor, ...]:
         """The step's outputs for the first `batch` rows; views the next replay overwrites."""
-        graph, outputs = self.graphs[(self.bucket_for(batch), turn)]
+        graph, outputs = self.graphs[self.bucket_for(batch)]
         graph.replay()
         self.replays += 1
         return tuple(t[:batch] for t in outputs)

@@ -6,11 +6,10 @@ input ids from them (`last_tokens`), and their copy to the host is queued behind
 (`StepOutput`), so the host schedules step t+1 while the GPU runs step t, and reads step t's
 tokens after.
 
-A decode step's inputs are one int32 buffer (`DecodeInputs.view`) filled on the host. In `graphs`
-mode the decode step (the copy of those inputs from pinned memory, the model on one token per
-sequence, the logits, the greedy pick) replays a CUDA graph per batch-size bucket and per host
-buffer (DecodeGraphs): one launch a step. Prefill runs eagerly in every mode. A decode batch has
-fixed-width block tables (enough blocks for max_model_len), so its shapes depend on the batch size only.
+In `graphs` mode the decode step (the model on one token per sequence, the logits, the greedy
+pick) replays a CUDA graph per batch-size bucket (DecodeGraphs) over static input buffers; prefill
+runs eagerly in every mode. A decode batch has fixed-width block tables (enough blocks for
+max_model_len), so its shapes depend on the batch size only.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ class DecodeInputs(NamedTuple):
 
 
 _FIELDS = len(DecodeInputs._fields) - 1  # the per-row fields, block tables aside
-TURNS = 2  # sets of host buffers that decode steps alternate between
 
 
 class StepOutput:
@@ -61,16 +59,13 @@ class StepOutput:
         if tokens.is_cuda:
             self._ready = torch.cuda.Event()
             self._ready.record()
-        self._ids: list[int] | None = None
 
     def token_ids(self) -> list[int]:
         # Waits for this step only, never for the one queued behind it; a step the GPU has already
         # finished costs no blocking call at all.
-        if self._ids is None:
-            if self._ready is not None and not self._ready.query():
-                self._ready.synchronize()
-            self._ids = self._host.tolist()
-        return self._ids
+        if self._ready is not None and not self._ready.query():
+            self._ready.synchronize()
+        return self._host.tolist()
 
 
 class ModelRunner:
@@ -89,20 +84,19 @@ class ModelRunner:
         self.last_tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self._last_rows: dict[int, int] = {}
         # A decode step's inputs are staged in pinned host memory and reach the device in one copy.
-        # Decode steps take turns between two sets of host buffers: the host fills one while the
-        # GPU may still read the other. A turn's buffers are reused only once the step that used
-        # them last has been read (`_next_turn`), which the engine's loop has always done by then.
+        # Two host buffers take turns, so the host fills one while the other's copy may be pending.
         size = max_num_seqs * (_FIELDS + self.max_blocks_per_seq)
-        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self._pin) for _ in range(TURNS)]
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=self._pin) for _ in range(2)]
+        self._staged = [None, None]  # the copy each host buffer last fed, as an event
         self._device_inputs = torch.zeros(size, dtype=torch.int32, device=device)
-        self._outputs: list[StepOutput | None] = [None] * TURNS
         self._steps = 0
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             # One logits buffer for every bucket: each graph would otherwise keep its own.
             self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, dtype=model.model.embed_tokens.weight.dtype,
                                               device=device)
-            self.graphs = DecodeGraphs(self._graph_step, default_buckets(max_num_seqs), device, turns=TURNS)
+            # Greedy tokens go straight to last_tokens from inside the graph: no copy after it.
+            self.graphs = DecodeGraphs(self._graph_step, default_buckets(max_num_seqs), device)
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -140,19 +134,17 @@ class ModelRunner:
     def _device_view(self, rows: int) -> DecodeInputs:
         return DecodeInputs.view(self._device_inputs, rows, self.max_blocks_per_seq)
 
-    def _next_turn(self) -> int:
-        turn = self._steps % TURNS
+    def _stage_decode(self, seqs: list[Sequence], rows: int) -> DecodeInputs:
+        """The device inputs of `rows` rows for each sequence's newest token (perhaps still in
+        flight), rows past len(seqs) padded: filled on the host, sent in one asynchronous copy."""
+        turn = self._steps % 2
         self._steps += 1
-        if self._outputs[turn] is not None:
-            self._outputs[turn].token_ids()  # that step is done and read: its buffers are free
-            self._outputs[turn] = None
-        return turn
-
-    def _fill_staging(self, seqs: list[Sequence], rows: int, turn: int) -> int:
-        """Writes the inputs of `rows` rows for each sequence's newest token (perhaps still in
-        flight) into host buffer `turn`, rows past len(seqs) padded; returns how many ints."""
+        pending = self._staged[turn]
+        if pending is not None and not pending.query():  # long done in a decode loop: its step was read since
+            pending.synchronize()
+        host = self._staging[turn]
         n, width = len(seqs), rows * (_FIELDS + self.max_blocks_per_seq)
-        view = self._staging[turn][:width].numpy()  # numpy writes: far cheaper than a tensor per field
+        view = host[:width].numpy()  # numpy writes: far cheaper than a tensor per field
         view[:] = 0
         fields = view[: _FIELDS * rows].reshape(_FIELDS, rows)
         tables = view[_FIELDS * rows:].reshape(rows, self.max_blocks_per_seq)
@@ -166,13 +158,10 @@ class ModelRunner:
             fields[4, i] = s.num_tokens
             tables[i, : len(s.block_table)] = s.block_table
         fields[3, n:] = -1  # padding rows: nothing stored, nothing attended
-        return width
-
-    def _stage_decode(self, seqs: list[Sequence], rows: int, turn: int | None = None) -> DecodeInputs:
-        """The device inputs of a decode step of `rows` rows, sent in one asynchronous copy."""
-        turn = self._next_turn() if turn is None else turn
-        width = self._fill_staging(seqs, rows, turn)
-        self._device_inputs[:width].copy_(self._staging[turn][:width], non_blocking=True)
+        self._device_inputs[:width].copy_(host[:width], non_blocking=True)
+        if self._pin:
+            self._staged[turn] = torch.cuda.Event()
+            self._staged[turn].record()
         return self._device_view(rows)
 
     # ---------------------------------------------------------------------------------------
@@ -194,23 +183,18 @@ class ModelRunner:
             return logits, greedy
         return logits, tokens_out.copy_(greedy)
 
-    def _graph_step(self, bucket: int, turn: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step DecodeGraphs warms up (on padding rows: no KV stored, no context) and then
-        captures: copy turn's staged inputs in (a copy node of the graph: no launch of its own),
-        run the model, write the greedy tokens to last_tokens (the next step's input)."""
+    def _graph_step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step DecodeGraphs warms up (on staged padding rows: no KV stored, no context) and
+        then captures (which runs nothing) over the device inputs each replay's copy refills."""
         capturing = torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            self._fill_staging([], bucket, turn)
-        width = bucket * (_FIELDS + self.max_blocks_per_seq)
-        # Warm-up copies wait: the next warm-up rewrites the host buffer at once.
-        self._device_inputs[:width].copy_(self._staging[turn][:width], non_blocking=capturing)
-        return self.decode_forward(self._device_view(bucket), self._static_logits[:bucket], self.last_tokens[:bucket])
+        inputs = self._device_view(bucket) if capturing else self._stage_decode([], bucket)
+        return self.decode_forward(inputs, self._static_logits[:bucket], self.last_tokens[:bucket])
 
-    def _decode(self, seqs: list[Sequence], turn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphs is None:
-            return self.decode_forward(self._stage_decode(seqs, len(seqs), turn))
-        self._fill_staging(seqs, self.graphs.bucket_for(len(seqs)), turn)
-        return self.graphs.replay(len(seqs), turn)
+            return self.decode_forward(self._stage_decode(seqs, len(seqs)))
+        self._stage_decode(seqs, self.graphs.bucket_for(len(seqs)))
+        return self.graphs.replay(len(seqs))
 
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
@@ -219,7 +203,7 @@ class ModelRunner:
 
     def _logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         if not is_prefill:
-            return self._decode(seqs, self._next_turn())[0]
+            return self._decode(seqs)[0]
         input_ids, positions, attn, last = self.prepare_prefill(seqs)
         h, residual = self.model(input_ids, positions, attn, self.kv_cache.k, self.kv_cache.v)
         return self.model.compute_logits(h[last], residual[last])
@@ -227,26 +211,20 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
         """Queue one step on the device and return at once; its tokens reach the host later."""
-        turn = None
         if is_prefill:
             logits = self._logits(seqs, is_prefill=True)
             greedy = self.model.greedy(logits)
         else:
-            turn = self._next_turn()
-            logits, greedy = self._decode(seqs, turn)
-        # A replayed graph has written its greedy tokens to last_tokens.
-        replayed = self.graphs is not None and not is_prefill
+            logits, greedy = self._decode(seqs)
+        in_place = self.graphs is not None and not is_prefill  # the graph wrote greedy to last_tokens
         if all(s.params.greedy for s in seqs):
             tokens = greedy
         else:
             tokens = self.sampler(logits, SamplingBatch.from_sequences(seqs, self.device))
-            replayed = False
-        if not replayed:
+            in_place = False
+        if not in_place:
             self.last_tokens[: len(seqs)].copy_(tokens)
         self._last_rows = {s.seq_id: i for i, s in enumerate(seqs)}
         for s in seqs:
             s.num_inflight += 1
-        output = StepOutput(seqs, tokens, self._pin)
-        if turn is not None:
-            self._outputs[turn] = output
-        return output
+        return StepOutput(seqs, tokens, self._pin)
