@@ -1,6 +1,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_checks import DTYPES, assert_close, kernel_module
 
 from fuselab.kernels import linear
@@ -80,6 +82,14 @@ def test_bad_inputs(device):
         linear(x, w, torch.zeros(5, device=device))
     with pytest.raises(ValueError, match="x must have at least one dimension"):
         linear(torch.tensor(1.0, device=device), w)
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 5000), bias=st.booleans())
+def test_any_one_row_shape_matches_reference(n, k, bias):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x = _randn((1, k), torch.float32, device, k)
+    _check(x, _randn((n, k), torch.float32, device, n) * k**-0.5, _randn((n,), torch.float32, device, 1) if bias else None)
 
 
 @pytest.mark.gpu
