@@ -59,6 +59,17 @@ def test_decode_is_the_same_for_any_split_count(device, short_splits, max_splits
     _check_decode(device, [100, 37], heads=4, kv_heads=1, head_dim=16, block_size=16, max_splits=max_splits)
 
 
+@pytest.mark.parametrize("max_splits", [1, 4])
+def test_decode_of_an_empty_context_is_zero_with_or_without_a_merge(device, short_splits, max_splits):
+    k_cache, v_cache, block_tables, _ = _paged_cache([40, 40], 2, 16, 16, torch.float32, device)
+    seq_lens = torch.tensor([0, 40], dtype=torch.int32, device=device)
+    q = _randn((2, 4, 16), torch.float32, device, 7)
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_splits=max_splits)
+    assert not out[0].any()
+    expected = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+    assert_close(out[1], expected[1], torch.float32)
+
+
 def test_decode_with_more_splits_than_blocks_leaves_empty_splits_out(device, short_splits):
     # 200 tokens of capacity ask for many splits; a 3-token sequence fills only the first.
     _check_decode(device, [3, 20], heads=2, kv_heads=2, head_dim=16, block_size=16, max_seq_len=200, max_splits=8)

@@ -7,7 +7,8 @@ at a time (vLLM's PagedAttention).
 
 `decode_attention` is flash-decoding: one query token per sequence, its context cut into
 `num_splits` parts processed by separate programs, each writing a partial output and its
-log-sum-exp; a second kernel merges the parts. The query heads that share a key/value head are one
+log-sum-exp; a second kernel merges the parts (a context in one part, as at large batches, is
+written as the output directly and needs no merge). The query heads that share a key/value head are one
 [group, head_dim] tile, so each key and value is read once for the whole group. Everything sized on
 the host comes from shapes and arguments, never from seq_lens' values: no host sync, no
 data-dependent allocation, so a captured CUDA graph replays it with new seq_lens.
@@ -54,11 +55,11 @@ def _store_kv_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, OUT,
     stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, num_splits, qk_scale,
+    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
 ):
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
@@ -106,12 +107,17 @@ def _decode_split_kernel(
         m_i = m_new
 
     # A split past the sequence's end keeps m_i = -inf, l_i = 0: its lse is -inf and the merge gives it no weight.
-    parts = ((batch * num_heads + heads) * num_splits + split).to(tl.int64)
     head_ok = offs_g < GROUP
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
     out = acc / l_safe[:, None]
-    tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
+    if ONE_SPLIT:
+        # The whole context was this program's: its output is final, and no merge kernel runs.
+        tl.store(OUT + batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+    else:
+        parts = ((batch * num_heads + heads) * num_splits + split).to(tl.int64)
+        tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
+        tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -204,24 +210,28 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
     group = heads // kv_heads
     block_d = padded_head_dim(head_dim)
     cfg = decode_config(head_dim)
-    part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
-    part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
+    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
+    if splits == 1:
+        part_out = part_lse = out  # unused: the split kernel writes the output itself
+    else:
+        part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
-        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0),
+        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_SPLIT=splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
-    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
-    _decode_merge_kernel[(batch * heads,)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
-    )
+    if splits > 1:
+        # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
+        _decode_merge_kernel[(batch * heads,)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
+        )
     return out
 
 
