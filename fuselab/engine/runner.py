@@ -148,7 +148,7 @@ class ModelRunner:
         view[:] = 0
         fields = view[: _FIELDS * rows].reshape(_FIELDS, rows)
         tables = view[_FIELDS * rows:].reshape(rows, self.max_blocks_per_seq)
-        for i, s in enumerate(seqs):
+        for i, s in enumerate(seqs):  # fields in DecodeInputs' order
             position = s.num_tokens - 1
             inflight = s.num_inflight > 0
             fields[0, i] = -1 if inflight else s.last_token
