@@ -5,6 +5,10 @@ code, each goes through a wrapper that unwraps its arguments first, a few µs a 
 that needs several of them per call pays that at every decode step; these are plain Python.
 """
 
+import functools
+
+import torch
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -13,3 +17,13 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.cache
+def _sm_count_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device); None index: the current one."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
 
 # Elements of one row that a program keeps in registers. Longer rows take the looped kernels, which
 # stream the row in blocks of this size. Each op module reads its own copy at call time, so tests
@@ -42,11 +42,6 @@ def row_config(n_cols: int, max_block: int) -> RowConfig:
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
 def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
     # A few programs per SM (fewer when each is wide) keep the GPU busy while keeping the
     # per-program partial sums, which the host adds up afterwards, small.
@@ -57,5 +52,5 @@ def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
 
 def row_groups(n_rows: int, num_warps: int, device: torch.device) -> tuple[int, int]:
     """(programs, rows per program) for a backward that also sums a per-column gradient over rows."""
-    sm_count = _sm_count(device.index) if device.type == "cuda" else 4
-    return _row_groups(n_rows, num_warps, sm_count)
+    sms = sm_count(device) if device.type == "cuda" else 4
+    return _row_groups(n_rows, num_warps, sms)

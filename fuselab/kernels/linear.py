@@ -12,15 +12,13 @@ gate/up projection, which fills the GPU anyway, stays on cuBLAS (18.0 vs 20.9).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor
+from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -65,19 +63,13 @@ NUM_WARPS = 4
 ROWS_PER_SM_FOR_CUBLAS = 64
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def gemv_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row, and too few output features for cuBLAS to fill the GPU."""
     if x.numel() != x.shape[-1]:
         return False
     if INTERPRETED or weight.device.type != "cuda":
         return True
-    index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    return weight.shape[0] < ROWS_PER_SM_FOR_CUBLAS * _sm_count(index)
+    return weight.shape[0] < ROWS_PER_SM_FOR_CUBLAS * sm_count(weight.device)
 
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -127,8 +119,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     everything else, and any input that needs a gradient, is F.linear (cuBLAS).
     """
     _check(x, weight, bias)
-    if x.numel() == 0 or 0 in weight.shape or not gemv_wins(x, weight) or torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if x.numel() == 0 or 0 in weight.shape or not gemv_wins(x, weight) or needs_autograd(x, weight, bias):
         return F.linear(x, weight, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()

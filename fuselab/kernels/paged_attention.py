@@ -16,7 +16,6 @@ data-dependent allocation, so a captured CUDA graph replays it with new seq_lens
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -25,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS, dot_precision, padded_head_dim
-from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor
 
 # --------------------------------------------------------------------------------------------
@@ -177,20 +176,14 @@ def decode_config(head_dim: int) -> DecodeConfig:
     return INTERPRETER_DECODE if INTERPRETED else DECODE_CONFIGS[padded_head_dim(head_dim)]
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, device: torch.device) -> int:
     """How many parts to cut each context into, from static sizes only (so a CUDA graph can hold it).
 
     As many as fit PROGRAMS_PER_SM programs on every SM in one go, rounded down: a program over
     budget starts a wave of its own and costs a whole part's time (`fuselab bench attention --sweep`).
     """
-    sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
-    to_fill_gpu = PROGRAMS_PER_SM * sm_count // max(1, batch * kv_heads)
+    sms = sm_count(device) if device.type == "cuda" else 4
+    to_fill_gpu = PROGRAMS_PER_SM * sms // max(1, batch * kv_heads)
     by_length = cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return max(1, min(max_splits, to_fill_gpu, by_length))
 
