@@ -6,8 +6,14 @@ that needs several of them per call pays that at every decode step; these are pl
 """
 
 import functools
+import os
 
 import torch
+
+# Programmatic dependent launch (sm_90+), an experiment switched on by FUSELAB_PDL=1: the decode
+# step's kernels are launched so that each may start while the one before it finishes; each waits
+# (gdc_wait) before it reads what that one wrote.
+PDL = os.environ.get("FUSELAB_PDL") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels._launch import PDL, cdiv, next_power_of_2
 from fuselab.kernels._validate import check_float_tensor
 
 # --------------------------------------------------------------------------------------------
@@ -40,10 +40,13 @@ def _first_max(x, idx, valid, sentinel):
 
 @triton.jit
 def _argmax_chunk_kernel(
-    X, VALUES, INDICES, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, STORE_VALUE: tl.constexpr
+    X, VALUES, INDICES, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, STORE_VALUE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (row, chunk) reduces columns [chunk · BLOCK, (chunk + 1) · BLOCK) of its row. Every
     # chunk holds at least one column, so the index written is always a real column.
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -57,9 +60,11 @@ def _argmax_chunk_kernel(
 
 
 @triton.jit
-def _argmax_merge_kernel(VALUES, INDICES, OUT, n_chunks, n_cols, BLOCK: tl.constexpr):
+def _argmax_merge_kernel(VALUES, INDICES, OUT, n_chunks, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per row walks its chunk results in column order; a later block replaces the
     # running best only when strictly greater (or the first NaN), so ties keep the earlier column.
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     row = tl.program_id(0).to(tl.int64)
     base = row * n_chunks
     best = float("-inf")
@@ -101,16 +106,19 @@ def argmax_launch(x: torch.Tensor) -> torch.Tensor:
     if n_chunks == 1:
         # The chunk's index is the row's answer: written straight into the output, no merge.
         _argmax_chunk_kernel[(rows, 1)](
-            x, out, out, x.stride(0), n_cols, 1, BLOCK=chunk, STORE_VALUE=False, num_warps=CHUNK_WARPS
+            x, out, out, x.stride(0), n_cols, 1, BLOCK=chunk, STORE_VALUE=False, USE_PDL=PDL,
+            num_warps=CHUNK_WARPS, launch_pdl=PDL,
         )
         return out
     values = torch.empty(rows, n_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, n_chunks, dtype=torch.int64, device=x.device)
     _argmax_chunk_kernel[(rows, n_chunks)](
-        x, values, indices, x.stride(0), n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, num_warps=CHUNK_WARPS
+        x, values, indices, x.stride(0), n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, USE_PDL=PDL,
+        num_warps=CHUNK_WARPS, launch_pdl=PDL,
     )
     merge_block = min(next_power_of_2(n_chunks), MAX_MERGE_BLOCK)
-    _argmax_merge_kernel[(rows,)](values, indices, out, n_chunks, n_cols, BLOCK=merge_block, num_warps=1)
+    _argmax_merge_kernel[(rows,)](values, indices, out, n_chunks, n_cols, BLOCK=merge_block, USE_PDL=PDL,
+                                  num_warps=1, launch_pdl=PDL)
     return out
 
 

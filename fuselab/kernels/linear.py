@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._launch import PDL, cdiv, next_power_of_2, sm_count
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -29,7 +29,10 @@ from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_aut
 def _gemv_kernel(
     X, W, B, Y, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, BLOCK_K)
@@ -46,6 +49,8 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -79,8 +84,8 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_k = min(MAX_BLOCK_K, next_power_of_2(k))
     _gemv_kernel[(cdiv(n, BLOCK_N),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=NUM_WARPS, num_stages=1,
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=PDL,
+        num_warps=NUM_WARPS, num_stages=1, launch_pdl=PDL,
     )
     return y
 

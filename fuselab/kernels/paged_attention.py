@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS, dot_precision, padded_head_dim
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._launch import PDL, cdiv, next_power_of_2, sm_count
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor
 
 # --------------------------------------------------------------------------------------------
@@ -59,7 +59,10 @@ def _decode_split_kernel(
     stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
     batch = tl.program_id(0)
@@ -106,6 +109,8 @@ def _decode_split_kernel(
         m_i = m_new
 
     # A split past the sequence's end keeps m_i = -inf, l_i = 0: its lse is -inf and the merge gives it no weight.
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     head_ok = offs_g < GROUP
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -122,8 +127,10 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_merge_kernel(
     PART_OUT, PART_LSE, OUT, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     # Grid: (batch · heads,). out = Σ w_s · out_s / Σ w_s with w_s = exp2(lse_s - max lse).
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -217,13 +224,14 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        ONE_SPLIT=splits == 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ONE_SPLIT=splits == 1, USE_PDL=PDL, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=PDL,
     )
     if splits > 1:
         # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
         _decode_merge_kernel[(batch * heads,)](
             part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=PDL,
+            num_warps=4, launch_pdl=PDL,
         )
     return out
 

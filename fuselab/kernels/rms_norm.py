@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._launch import PDL
 from fuselab.kernels._residual import load_input_row
 from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups
 from fuselab.kernels._validate import (
@@ -30,25 +31,33 @@ from fuselab.kernels._validate import (
 
 @triton.jit
 def _rms_norm_forward_kernel(
-    X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr
+    X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if STORE_RSTD:
         tl.store(RSTD + row, rstd)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     tl.store(Y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rms_norm_forward_looped_kernel(
-    X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr
+    X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """For rows longer than one block: a pass for the mean square, a second to normalize."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
@@ -158,7 +167,7 @@ def rms_norm_forward(
     kernel[(n_rows,)](
         x, x if residual is None else residual, weight, y, x if h is None else h, y if rstd is None else rstd,
         n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_RSTD=save_rstd,
-        BLOCK=config.block, num_warps=config.num_warps,
+        BLOCK=config.block, USE_PDL=PDL, num_warps=config.num_warps, launch_pdl=PDL,
     )
     return y, h, rstd
 

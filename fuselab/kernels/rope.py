@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import next_power_of_2
+from fuselab.kernels._launch import PDL, next_power_of_2
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
 from fuselab.kernels.paged_attention import check_store_inputs
 
@@ -109,7 +109,10 @@ def _rope_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
     INTERLEAVED: tl.constexpr, INVERSE: tl.constexpr,
     STORE_KV: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_V_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
@@ -194,7 +197,7 @@ def _rope_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, inter
         BLOCK_Q_HEADS=_head_block(q_heads, block_half), BLOCK_K_HEADS=_head_block(k_heads, block_half),
         HEAD_DIM=head_dim, BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims else 0,
         INTERLEAVED=interleaved, INVERSE=inverse,
-        STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None,
+        STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None, USE_PDL=PDL,
     )
     if page_size is not None:
         block_d = next_power_of_2(head_dim)
@@ -232,7 +235,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
         positions, *_positions_strides(positions),
         cos_sin, cos_sin.stride(0), cos_sin.shape[0],
         seq_len, q.shape[-2], k.shape[-2],
-        *store_args, **meta,
+        *store_args, **meta, launch_pdl=PDL,
     )
     return q_out, k_out
 

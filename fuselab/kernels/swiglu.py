@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels._launch import PDL, cdiv, next_power_of_2
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -22,14 +22,18 @@ from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, che
 
 
 @triton.jit
-def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr):
+def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Grid: (rows, blocks of columns); rows on axis 0, which allows 2³¹ programs.
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + up_offset + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -75,7 +79,8 @@ def swiglu_forward(
         return out
     n_cols = out.shape[-1]
     grid, block = _grid(out.numel() // n_cols, n_cols)
-    _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS)
+    _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=PDL,
+                                 num_warps=_NUM_WARPS, launch_pdl=PDL)
     return out
 
 
