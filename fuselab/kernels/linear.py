@@ -31,15 +31,21 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
+    # The first block of W does not depend on the kernel before: with PDL its read overlaps that
+    # kernel's end (for K <= BLOCK_K, the whole of this program's share of W).
+    k_ok = ks < K
+    w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
+    x = tl.load(X + ks, mask=k_ok, other=0.0)
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w_ptrs += BLOCK_K
         if EVEN_K:
             x = tl.load(X + k0 + ks)
             w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
@@ -48,7 +54,6 @@ def _gemv_kernel(
             x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     y = tl.sum(acc, axis=1)
