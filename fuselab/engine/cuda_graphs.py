@@ -17,6 +17,7 @@ Prefill (a different token count every step) runs eagerly.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -52,6 +53,16 @@ class DecodeGraphs:
         return bucket
 
     def capture(self) -> None:
+        blas = os.environ.get("FUSELAB_CAPTURE_BLAS")
+        previous = torch.backends.cuda.preferred_blas_library()
+        if blas:
+            torch.backends.cuda.preferred_blas_library(blas)
+        try:
+            self._capture()
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+
+    def _capture(self) -> None:
         start = time.perf_counter()
         caller = torch.cuda.current_stream(self.device)
         # Capture cannot run on the legacy default stream; warming up on the same side stream
