@@ -1,6 +1,9 @@
+import pytest
+import torch
 import triton
 
-from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels import _launch, argmax, linear, rms_norm, swiglu
+from fuselab.kernels._launch import cdiv, dependent_launches, next_power_of_2, use_pdl
 
 
 def test_host_helpers_agree_with_tritons():
@@ -8,3 +11,45 @@ def test_host_helpers_agree_with_tritons():
         assert next_power_of_2(n) == max(1, triton.next_power_of_2(n)), n
         for d in (1, 2, 3, 16, 1024):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_dependent_launches_is_scoped_and_cpu_never_uses_it():
+    cpu = torch.device("cpu")
+    assert not use_pdl(cpu)
+    with dependent_launches():
+        assert not use_pdl(cpu)
+        with dependent_launches():
+            pass
+        assert _launch._pdl_scope  # the inner block put back the outer one's state
+    assert not _launch._pdl_scope
+
+
+def _decode_like_chain(x, residual, norm_weight, w_gate_up, w_down):
+    y, h = rms_norm(x, norm_weight, 1e-5, residual=residual)
+    gate_up = linear(y, w_gate_up)
+    act = swiglu(*gate_up.chunk(2, dim=-1))
+    return argmax(linear(act, w_down)), h
+
+
+@pytest.mark.gpu
+def test_dependent_launches_give_the_same_results_in_a_cuda_graph():
+    """Kernels that may start before the kernel before them ends still read only its finished output."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x, residual = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16), torch.randn(1, 2048, device=dev,
+                                                                                      dtype=torch.bfloat16)
+    args = (x, residual, torch.rand(2048, device=dev, dtype=torch.bfloat16) + 0.5,
+            torch.randn(2 * 2816, 2048, device=dev, dtype=torch.bfloat16) * 0.02,
+            torch.randn(2048, 2816, device=dev, dtype=torch.bfloat16) * 0.02)
+    expected = _decode_like_chain(*args)
+    with dependent_launches():
+        assert use_pdl(dev) == (torch.cuda.get_device_capability(dev)[0] >= 9)
+        _decode_like_chain(*args)  # compiles the PDL variants outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = _decode_like_chain(*args)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)

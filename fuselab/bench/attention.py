@@ -10,7 +10,10 @@ Decode: `decode_attention` over a paged cache against SDPA over the cache gather
 in GB/s of the cache bytes a call must read (keys and values of every context token, plus q and
 out) and as a share of the copy bandwidth (`fuselab.device.ceilings()`).
 
-Every figure is the median of CUDA-event timings with the L2 cache flushed between calls.
+Prefill figures are medians of CUDA-event timings with the L2 cache flushed between calls. Decode
+is timed as an engine runs it: inside a CUDA graph (one launch for the step, so the host's launch
+cost is not in the figure), over enough distinct caches in a row, like the layers of a model, that
+together they are 4× the L2 cache and every call reads from HBM.
 """
 
 from __future__ import annotations
@@ -172,6 +175,20 @@ def torch_decode(q, k_cache, v_cache, block_tables, seq_lens) -> torch.Tensor:
     return out.squeeze(2)
 
 
+def paged_workloads(batch: int, context: int, dtype: torch.dtype) -> list[dict]:
+    """Distinct workloads, as many as it takes to fill 4× the L2 cache (at least one)."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    nbytes = decode_bytes(batch, context, DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, dtype.itemsize)
+    return [paged_workload(batch, context, dtype) for _ in range(min(256, max(1, -(-4 * l2 // nbytes))))]
+
+
+def decode_us(fn: Callable, workloads: list[dict], timing: dict) -> float:
+    """µs per call of `fn` over each workload in turn, the chain replayed from one CUDA graph."""
+    chain = lambda: [fn(**w) for w in workloads]  # noqa: E731
+    result = bench(chain, cuda_graph=True, warmup_ms=timing["warmup_ms"], rep_ms=timing["rep_ms"])
+    return result.median_us / len(workloads)
+
+
 def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> list[dict]:
     from fuselab.kernels import decode_attention
 
@@ -181,7 +198,8 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
     records = []
     for batch in batches:
         for context in contexts:
-            w = paged_workload(batch, context, dtype)
+            workloads = paged_workloads(batch, context, dtype)
+            w = workloads[0]
             nbytes = decode_bytes(batch, context, DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, dtype.itemsize)
             expected = torch_decode(**w)
             for name, fn in impls.items():
@@ -189,14 +207,14 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
                           "gbs": None, "pct_of_copy": None, "max_abs_diff": None, "error": None}
                 try:
                     record["max_abs_diff"] = (fn(**w).float() - expected.float()).abs().max().item()
-                    us = bench(lambda fn=fn: fn(**w), **timing).median_us
+                    us = decode_us(fn, workloads, timing)
                     gbs = nbytes / us / 1e3
                     record.update(median_us=us, gbs=gbs, pct_of_copy=100 * gbs / copy_gbs)
                 except Exception as err:  # noqa: BLE001 - e.g. the gathered copy running out of memory
                     record["error"] = _error_text(err)
                 records.append(record)
                 _progress(f"decode batch {batch} context {context} {name}", record)
-            del w, expected
+            del w, workloads, expected
             torch.cuda.empty_cache()
     return records
 
@@ -219,15 +237,15 @@ def decode_candidates() -> list:
     return [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _time_configs(table: dict, key: int, candidates: list, step: Callable[[], object], timing: dict) -> list[dict]:
-    """Time `step` with each candidate in table[key]; a config that does not compile (shared memory) is skipped."""
+def _time_configs(table: dict, key: int, candidates: list, time_us: Callable[[], float]) -> list[dict]:
+    """`time_us()` with each candidate in table[key]; a config that does not compile (shared memory) is skipped."""
     original = table[key]
     timed = []
     try:
         for cfg in candidates:
             table[key] = cfg
             try:
-                timed.append({"config": cfg._asdict(), "median_us": bench(step, **timing).median_us})
+                timed.append({"config": cfg._asdict(), "median_us": time_us()})
             except Exception as err:  # noqa: BLE001 - e.g. out of shared memory at this block size
                 _progress(f"sweep {cfg}", {"error": _error_text(err)})
     finally:
@@ -239,20 +257,21 @@ SPLIT_SWEEP_WORKLOADS = ((1, 4096), (1, 32768), (8, 4096), (8, 16384), (8, 32768
 SPLIT_SWEEP_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 
-def _time_split_counts(workload: dict, timing: dict) -> list[dict]:
+def _time_split_counts(workloads: list[dict], timing: dict) -> list[dict]:
     """Decode timed at each split count, for each pipeline depth of the current config, fastest first."""
     from fuselab.kernels import paged_attention
 
-    w, head_dim = workload, workload["q"].shape[-1]
+    head_dim = workloads[0]["q"].shape[-1]
     original, timed = paged_attention.DECODE_CONFIGS[head_dim], []
     try:
         for stages in (2, 3):
             paged_attention.DECODE_CONFIGS[head_dim] = original._replace(num_stages=stages)
             for splits in SPLIT_SWEEP_COUNTS:
-                step = lambda: paged_attention.decode_launch(w["q"], w["k_cache"], w["v_cache"], w["block_tables"],  # noqa: E731
-                                                             w["seq_lens"], head_dim**-0.5, splits)
+                def step(q, k_cache, v_cache, block_tables, seq_lens, splits=splits):
+                    return paged_attention.decode_launch(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5,
+                                                         splits)
                 timed.append({"config": {"splits": splits, "num_stages": stages},
-                              "median_us": bench(step, **timing).median_us})
+                              "median_us": decode_us(step, workloads, timing)})
     finally:
         paged_attention.DECODE_CONFIGS[head_dim] = original
     return sorted(timed, key=lambda t: t["median_us"])
@@ -267,7 +286,7 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
         q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
         for causal in (True, False):
             timed = _time_configs(_flash_common.FORWARD_CONFIGS, head_dim, forward_candidates(),
-                                  lambda: flash_attention(q, k, v, causal=causal), timing)
+                                  lambda: bench(lambda: flash_attention(q, k, v, causal=causal), **timing).median_us)
             flops = prefill_flops(batch, heads, seq, head_dim, causal, backward=False)
             out.append({"kernel": "flash forward", "head_dim": head_dim, "causal": causal,
                         "current": _flash_common.FORWARD_CONFIGS[head_dim]._asdict(),
@@ -276,19 +295,19 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
         torch.cuda.empty_cache()
     if args.only == "prefill":
         return out
-    w = paged_workload(8, 8192, dtype)
+    workloads = paged_workloads(8, 8192, dtype)
     timed = _time_configs(paged_attention.DECODE_CONFIGS, DECODE_HEAD_DIM, decode_candidates(),
-                          lambda: decode_attention(**w), timing)
+                          lambda: decode_us(decode_attention, workloads, timing))
     out.append({"kernel": "decode", "head_dim": DECODE_HEAD_DIM, "causal": None,
                 "current": paged_attention.DECODE_CONFIGS[DECODE_HEAD_DIM]._asdict(), "best": timed[:3]})
     for batch, context in SPLIT_SWEEP_WORKLOADS:
-        w = paged_workload(batch, context, dtype)
-        timed = _time_split_counts(w, timing)
+        workloads = paged_workloads(batch, context, dtype)
+        timed = _time_split_counts(workloads, timing)
         out.append({"kernel": f"decode batch {batch} context {context}, split count", "head_dim": DECODE_HEAD_DIM,
                     "causal": None, "current": {"splits": paged_attention.num_splits(batch, DECODE_KV_HEADS, context,
-                                                                                     32, w["q"].device)},
+                                                                                     32, workloads[0]["q"].device)},
                     "best": timed[:5], "all": timed})
-        del w
+        del workloads
         torch.cuda.empty_cache()
     return out
 
@@ -316,7 +335,9 @@ def measure(args: argparse.Namespace) -> dict:
         "device": device_info().to_dict(),
         "ceilings": {"copy_bandwidth_gbs": ceiling.copy_bandwidth_gbs, "source": ceiling.source},
         "config": {"dtype": args.dtype, "quick": args.quick,
-                   "timing": f"median of CUDA-event timings, L2 flushed between calls, {timing['rep_ms']:.0f} ms per figure",
+                   "timing": f"prefill: median of CUDA-event timings, L2 flushed between calls; decode: median of "
+                             f"CUDA-graph replays of a chain of distinct caches (4x L2), per call; {timing['rep_ms']:.0f} ms "
+                             "per figure",
                    "decode": f"{DECODE_HEADS} heads / {DECODE_KV_HEADS} kv heads, head dim {DECODE_HEAD_DIM}, "
                              f"block size {DECODE_BLOCK_SIZE}, shuffled block tables"},
         "prefill": [] if args.only == "decode" else measure_prefill(args, timing),

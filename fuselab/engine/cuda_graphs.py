@@ -17,7 +17,6 @@ Prefill (a different token count every step) runs eagerly.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable
 
@@ -53,10 +52,12 @@ class DecodeGraphs:
         return bucket
 
     def capture(self) -> None:
-        blas = os.environ.get("FUSELAB_CAPTURE_BLAS")
+        # The graphs keep the GEMM kernels chosen at capture: cuBLASLt's, which at 64 rows run the
+        # 8B shape's projections 3% faster a step than cuBLAS's (split-K plus a reduce kernel) and
+        # match them at one row (benchmarks/results/2026-11-30-h200/decode-levers-2). The setting
+        # is process-wide, so it is put back for whatever runs outside the graphs.
         previous = torch.backends.cuda.preferred_blas_library()
-        if blas:
-            torch.backends.cuda.preferred_blas_library(blas)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
         try:
             self._capture()
         finally:

@@ -24,6 +24,7 @@ from fuselab.engine.model import AttentionMetadata, LlamaForCausalLM
 from fuselab.engine.sampler import Sampler, SamplingBatch
 from fuselab.engine.sequence import Sequence
 from fuselab.graphs import default_buckets
+from fuselab.kernels._launch import dependent_launches
 
 
 class DecodeInputs(NamedTuple):
@@ -176,9 +177,10 @@ class ModelRunner:
         input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
         attn = AttentionMetadata(is_prefill=False, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
-        h, residual = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
-        logits = self.model.compute_logits(h, residual, logits_out)
-        greedy = self.model.greedy(logits)
+        with dependent_launches():  # no kernel of a decode step writes a weight
+            h, residual = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
+            logits = self.model.compute_logits(h, residual, logits_out)
+            greedy = self.model.greedy(logits)
         if tokens_out is None:
             return logits, greedy
         return logits, tokens_out.copy_(greedy)

@@ -5,15 +5,20 @@ code, each goes through a wrapper that unwraps its arguments first, a few µs a 
 that needs several of them per call pays that at every decode step; these are plain Python.
 """
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 
-# Programmatic dependent launch (sm_90+), an experiment switched on by FUSELAB_PDL=1: the decode
-# step's kernels are launched so that each may start while the one before it finishes; each waits
-# (gdc_wait) before it reads what that one wrote.
-PDL = os.environ.get("FUSELAB_PDL") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+# Programmatic dependent launch (Hopper and newer), inside `dependent_launches()`: a kernel may start
+# while the kernel before it drains its last wave; it loads what no kernel of the step writes (the
+# weights), then waits (gdc_wait) before it reads that kernel's output or writes anything. In a
+# graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
+# (benchmarks/results/2026-11-30-h200/decode-levers-2). FUSELAB_PDL=0 turns it off.
+_PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+_pdl_scope = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,6 +28,31 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    return _PDL_ALLOWED and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@contextlib.contextmanager
+def dependent_launches() -> Iterator[None]:
+    """Kernels launched in this block (on one thread) use programmatic dependent launch where the
+    GPU has it. Only for work in which no kernel writes a weight that a later kernel reads (an
+    inference step): a kernel reads its weights before it waits for the kernel before it."""
+    global _pdl_scope
+    outer, _pdl_scope = _pdl_scope, True
+    try:
+        yield
+    finally:
+        _pdl_scope = outer
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether a kernel launched now on `device` uses programmatic dependent launch."""
+    if not _pdl_scope or device.type != "cuda":
+        return False
+    return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

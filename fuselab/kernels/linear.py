@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import PDL, cdiv, next_power_of_2, sm_count
+from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -87,10 +87,11 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     block_k = min(MAX_BLOCK_K, next_power_of_2(k))
+    pdl = use_pdl(x.device)
     _gemv_kernel[(cdiv(n, BLOCK_N),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=PDL,
-        num_warps=NUM_WARPS, num_stages=1, launch_pdl=PDL,
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
+        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl,
     )
     return y
 

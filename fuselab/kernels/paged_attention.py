@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS, dot_precision, padded_head_dim
-from fuselab.kernels._launch import PDL, cdiv, next_power_of_2, sm_count
+from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor
 
 # --------------------------------------------------------------------------------------------
@@ -210,6 +210,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
     group = heads // kv_heads
     block_d = padded_head_dim(head_dim)
     cfg = decode_config(head_dim)
+    pdl = use_pdl(q.device)
     out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
     if splits == 1:
         part_out = part_lse = out  # unused: the split kernel writes the output itself
@@ -224,14 +225,14 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        ONE_SPLIT=splits == 1, USE_PDL=PDL, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=PDL,
+        ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
         # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
         _decode_merge_kernel[(batch * heads,)](
             part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=PDL,
-            num_warps=4, launch_pdl=PDL,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out
 

@@ -11,9 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-import os
-
-from fuselab.kernels._launch import PDL, sm_count
+from fuselab.kernels._launch import use_pdl
 from fuselab.kernels._residual import load_input_row
 from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups
 from fuselab.kernels._validate import (
@@ -146,8 +144,6 @@ def _rms_norm_backward_looped_kernel(
             tl.store(DW_PARTIAL + dw_base + cols, dw + dy * x_hat, mask=mask)
 
 
-FEW_ROWS = os.environ.get("FUSELAB_RMS_FEW_ROWS") == "1"
-
 # --------------------------------------------------------------------------------------------
 # Host launchers
 # --------------------------------------------------------------------------------------------
@@ -167,14 +163,12 @@ def rms_norm_forward(
         return y, h, rstd
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
-    num_warps = config.num_warps
-    if FEW_ROWS and x.is_cuda and not config.looped and n_rows < sm_count(x.device):
-        num_warps = min(32, max(num_warps, config.block // 256))
+    pdl = use_pdl(x.device)
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
     kernel[(n_rows,)](
         x, x if residual is None else residual, weight, y, x if h is None else h, y if rstd is None else rstd,
         n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_RSTD=save_rstd,
-        BLOCK=config.block, USE_PDL=PDL, num_warps=num_warps, launch_pdl=PDL,
+        BLOCK=config.block, USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return y, h, rstd
 

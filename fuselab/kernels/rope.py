@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import PDL, next_power_of_2
+from fuselab.kernels._launch import next_power_of_2, use_pdl
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
 from fuselab.kernels.paged_attention import check_store_inputs
 
@@ -197,7 +197,7 @@ def _rope_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, inter
         BLOCK_Q_HEADS=_head_block(q_heads, block_half), BLOCK_K_HEADS=_head_block(k_heads, block_half),
         HEAD_DIM=head_dim, BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims else 0,
         INTERLEAVED=interleaved, INVERSE=inverse,
-        STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None, USE_PDL=PDL,
+        STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None,
     )
     if page_size is not None:
         block_d = next_power_of_2(head_dim)
@@ -227,6 +227,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
         )
         meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, v.shape[1],
                           k_cache.shape[1])
+    pdl = use_pdl(q.device)
     _rope_kernel[(n_tokens,)](
         q, *_token_strides(q),
         k, *_token_strides(k),
@@ -235,7 +236,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
         positions, *_positions_strides(positions),
         cos_sin, cos_sin.stride(0), cos_sin.shape[0],
         seq_len, q.shape[-2], k.shape[-2],
-        *store_args, **meta, launch_pdl=PDL,
+        *store_args, **meta, USE_PDL=pdl, launch_pdl=pdl,
     )
     return q_out, k_out
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import PDL, cdiv, next_power_of_2
+from fuselab.kernels._launch import cdiv, next_power_of_2, use_pdl
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -79,8 +79,9 @@ def swiglu_forward(
         return out
     n_cols = out.shape[-1]
     grid, block = _grid(out.numel() // n_cols, n_cols)
-    _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=PDL,
-                                 num_warps=_NUM_WARPS, launch_pdl=PDL)
+    pdl = use_pdl(out.device)
+    _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
+                                 num_warps=_NUM_WARPS, launch_pdl=pdl)
     return out
 
 
