@@ -59,17 +59,6 @@ def test_decode_is_the_same_for_any_split_count(device, short_splits, max_splits
     _check_decode(device, [100, 37], heads=4, kv_heads=1, head_dim=16, block_size=16, max_splits=max_splits)
 
 
-@pytest.mark.parametrize("splits", [5, 7, 13])
-def test_decode_splits_that_start_inside_a_loop_block(device, splits):
-    """Splits are aligned to 16 tokens, not to the kernel's block: a split may start mid-block and mid-page."""
-    lengths, heads, kv_heads, head_dim = [100, 37, 16, 1], 4, 2, 16
-    k_cache, v_cache, block_tables, seq_lens = _paged_cache(lengths, kv_heads, head_dim, 8, torch.float32, device)
-    q = _randn((len(lengths), heads, head_dim), torch.float32, device, 7)
-    out = paged.decode_launch(q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5, splits)
-    expected = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
-    assert_close(out, expected, torch.float32)
-
-
 @pytest.mark.parametrize("max_splits", [1, 4])
 def test_decode_of_an_empty_context_is_zero_with_or_without_a_merge(device, short_splits, max_splits):
     k_cache, v_cache, block_tables, _ = _paged_cache([40, 40], 2, 16, 16, torch.float32, device)

@@ -58,8 +58,8 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
@@ -70,9 +70,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(SEQ_LENS + batch)
-    # Splits are aligned to 16 tokens, not to BLOCK_N: a short context (256 tokens in 18 splits) is
-    # then spread over 16 programs of one masked block each rather than 4 programs of a full one.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -226,8 +224,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
         splits, scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, SPLIT_ALIGN=min(16, cfg.block_n),
-        DOT_PRECISION=dot_precision(q.dtype),
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     if splits > 1:
