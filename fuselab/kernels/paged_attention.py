@@ -17,7 +17,6 @@ data-dependent allocation, so a captured CUDA graph replays it with new seq_lens
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -162,23 +161,18 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# Hopper, keyed by the head dim rounded up to a power of two: three stages of 64-token K and V
-# tiles at d=128 are 96 KiB of shared memory, two programs per SM.
+# Hopper, keyed by the head dim rounded up to a power of two. At d=128, two warps over three stages
+# of 64-token K and V tiles (96 KiB of shared memory) beat four warps over two at batch 8 and 64
+# and at batch 1 from 4k tokens (benchmarks/results/2026-11-30-h200/decode-levers-2).
 DECODE_CONFIGS: dict[int, DecodeConfig] = {
     16: DecodeConfig(64, 4, 3),
     32: DecodeConfig(64, 4, 3),
     64: DecodeConfig(64, 4, 3),
-    128: DecodeConfig(64, 4, 2),
+    128: DecodeConfig(64, 2, 3),
     256: DecodeConfig(32, 4, 3),
 }
 # A 32-token step crosses a page boundary at block_size 16 and stays inside one at 64.
 INTERPRETER_DECODE = DecodeConfig(32, 1, 1)
-# Splits of at most SHORT_SPLIT_TOKENS of the static maximum length (a batch-1 engine step: 2192
-# tokens in 18 splits) step 16 tokens at a time: at the contexts such a step sees, a split holds a
-# few dozen tokens, and a 64-token tile's pipeline costs more than its loads.
-SHORT_SPLIT_TOKENS = 128
-SHORT_SPLIT_DECODE = DecodeConfig(16, 4, 2)
-_SHORT_SPLITS = os.environ.get("FUSELAB_SHORT_SPLITS") == "1"
 
 # Splits shorter than this cost more in fixed work (query load, partial write, merge) than they save.
 MIN_TOKENS_PER_SPLIT = 128
@@ -186,13 +180,8 @@ MIN_TOKENS_PER_SPLIT = 128
 PROGRAMS_PER_SM = 4
 
 
-def decode_config(head_dim: int, tokens_per_split: int | None = None) -> DecodeConfig:
-    """The launch config; `tokens_per_split`: the static maximum length over the split count."""
-    if INTERPRETED:
-        return INTERPRETER_DECODE
-    if _SHORT_SPLITS and tokens_per_split is not None and tokens_per_split <= SHORT_SPLIT_TOKENS:
-        return SHORT_SPLIT_DECODE
-    return DECODE_CONFIGS[padded_head_dim(head_dim)]
+def decode_config(head_dim: int) -> DecodeConfig:
+    return INTERPRETER_DECODE if INTERPRETED else DECODE_CONFIGS[padded_head_dim(head_dim)]
 
 
 def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, device: torch.device) -> int:
@@ -216,12 +205,12 @@ def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
-def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, max_seq_len=None) -> torch.Tensor:
+def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     block_d = padded_head_dim(head_dim)
-    cfg = decode_config(head_dim, None if max_seq_len is None else cdiv(max_seq_len, splits))
+    cfg = decode_config(head_dim)
     pdl = use_pdl(q.device)
     out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
     if splits == 1:
@@ -374,5 +363,4 @@ def decode_attention(
     if q.stride(2) != 1:
         q = q.contiguous()
     splits = num_splits(batch, kv_heads, max_seq_len, max_splits, q.device)
-    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits,
-                         max_seq_len)
+    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits)
