@@ -12,6 +12,9 @@ gate/up projection, which fills the GPU anyway, stays on cuBLAS (18.0 vs 20.9).
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -82,16 +85,22 @@ def gemv_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.shape[0] < ROWS_PER_SM_FOR_CUBLAS * sm_count(weight.device)
 
 
+# Experiment: launch configs per "NxK" shape, {"4096x4096": [block_n, block_k, warps, stages]}.
+_CONFIG_OVERRIDES = {tuple(map(int, key.split("x"))): tuple(cfg)
+                     for key, cfg in json.loads(os.environ.get("FUSELAB_GEMV_CONFIGS", "{}")).items()}
+
+
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride."""
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    block_k = min(MAX_BLOCK_K, next_power_of_2(k))
+    block_n, block_k, warps, stages = _CONFIG_OVERRIDES.get(
+        (n, k), (BLOCK_N, min(MAX_BLOCK_K, next_power_of_2(k)), NUM_WARPS, 1))
     pdl = use_pdl(x.device)
-    _gemv_kernel[(cdiv(n, BLOCK_N),)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
+        num_warps=warps, num_stages=stages, launch_pdl=pdl,
     )
     return y
 
