@@ -23,7 +23,7 @@ def _check(x, weight, bias=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [1, 3, 1000, 2048, 5003])
+@pytest.mark.parametrize("k", [1, 3, 1000, 2048, 3000, 4096, 5003, 8192])
 @pytest.mark.parametrize("n", [1, 7, 130])
 def test_one_row_runs_the_gemv_and_matches_the_reference(device, dtype, k, n, monkeypatch):
     launch, calls = gemv.gemv_launch, []
@@ -31,6 +31,11 @@ def test_one_row_runs_the_gemv_and_matches_the_reference(device, dtype, k, n, mo
     x = _randn((1, k), dtype, device, seed=k)
     _check(x, _randn((n, k), dtype, device, seed=n) * k**-0.5)
     assert len(calls) == 1
+
+
+def test_a_row_of_up_to_4096_is_one_step_longer_rows_step_2048_over_4_rows():
+    assert [gemv.gemv_blocks(k) for k in (1, 3, 2048, 2049, 4096, 4097, 14336)] == [
+        (2, 1), (2, 4), (2, 2048), (1, 4096), (1, 4096), (4, 2048), (4, 2048)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,17 +3,14 @@
 At batch 1 a projection is a matrix-vector product whose cost is one read of W. cuBLAS's batch-1
 kernels give each program 64 or more rows of W, so a matrix with fewer than ~64 × (SM count)
 rows, such as a decode step's q/k/v, output and down projections, runs on a fraction of the SMs
-and reads W at 1.5-3 TB/s. `_gemv_kernel` gives each program BLOCK_N = 2 rows and streams them
-BLOCK_K columns at a time, so even a 2048-row matrix spreads over 1024 programs. Measured in a CUDA
-graph on an H200 (scripts/tune-decode-step, benchmarks/results/2026-11-30-h200/tune-gemv.json):
-Llama 3 1B output projection 4.3 µs vs cuBLAS 6.0, down projection 10.3 vs 13.5; the 16384-row
-gate/up projection, which fills the GPU anyway, stays on cuBLAS (18.0 vs 20.9).
+and reads W at 1.5-3 TB/s. `_gemv_kernel` gives each program one to four rows, so even a
+2048-row matrix spreads over 1024 programs. Measured in a CUDA graph on an H200, launched as in the
+engine's decode step (scripts/tune-decode-step --gemv-only --pdl,
+benchmarks/results/2026-11-30-h200/decode-levers-2): Llama 3 8B q/k/v 12.7 µs vs cuBLAS 15.5, output
+8.9 vs 13.2, down 28.2 vs 32.0; the gate/up projections, which fill the GPU anyway, stay on cuBLAS.
 """
 
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +66,6 @@ def _gemv_kernel(
 # Host launcher
 # --------------------------------------------------------------------------------------------
 
-BLOCK_N = 2
-MAX_BLOCK_K = 2048
 NUM_WARPS = 4
 # cuBLAS's batch-1 tiles hold 64 rows of W: below this many rows per SM it leaves SMs idle.
 ROWS_PER_SM_FOR_CUBLAS = 64
@@ -85,22 +80,27 @@ def gemv_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return weight.shape[0] < ROWS_PER_SM_FOR_CUBLAS * sm_count(weight.device)
 
 
-# Experiment: launch configs per "NxK" shape, {"4096x4096": [block_n, block_k, warps, stages]}.
-_CONFIG_OVERRIDES = {tuple(map(int, key.split("x"))): tuple(cfg)
-                     for key, cfg in json.loads(os.environ.get("FUSELAB_GEMV_CONFIGS", "{}")).items()}
+def gemv_blocks(k: int) -> tuple[int, int]:
+    """(rows of W a program takes, columns a step). A program reads its first step of W before it
+    waits for x (the kernel before may still be writing it), so a row of up to 4096 is read in one
+    step, whole: one row of 4096 or two of <= 2048. Longer rows step 2048 columns over 4 rows.
+    Within 0.1 µs of the fastest of up to 20 configs for each Llama 3 1B and 8B projection (decode-levers-2)."""
+    if k > 4096:
+        return 4, 2048
+    block_k = next_power_of_2(k)
+    return (1 if block_k > 2048 else 2), block_k
 
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride."""
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    block_n, block_k, warps, stages = _CONFIG_OVERRIDES.get(
-        (n, k), (BLOCK_N, min(MAX_BLOCK_K, next_power_of_2(k)), NUM_WARPS, 1))
+    block_n, block_k = gemv_blocks(k)
     pdl = use_pdl(x.device)
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-        num_warps=warps, num_stages=stages, launch_pdl=pdl,
+        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl,
     )
     return y
 
