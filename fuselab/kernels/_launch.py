@@ -1,4 +1,5 @@
-"""Integer helpers for launch metadata on the host.
+"""What kernel launchers share on the host: integer helpers, the SM count, and whether a launch
+uses programmatic dependent launch.
 
 Triton's own `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from host
 code, each goes through a wrapper that unwraps its arguments first, a few µs a call. A launcher
