@@ -41,14 +41,17 @@ def _version(module: str) -> str | None:
         return None
 
 
-def recover_from_failed_capture() -> None:
-    """Undo what a failed CUDA-graph capture leaves behind in the CUDA random generators.
+def recover_from_failed_capture(caller_stream: torch.cuda.Stream) -> None:
+    """Undo what a failed CUDA-graph capture leaves behind: the capture's stream and the CUDA
+    random generators.
 
-    A capture that raises midway never runs the generators' capture epilogue, so they stay in
-    capture mode and the next random op outside a graph fails ("Offset increment outside graph
-    capture"). Swapping in a fresh copy of each generator's state (same seed and offset, not
-    capturing) puts them back in order.
+    `torch.cuda.graph` raises from capture_end before it leaves its stream context, so its side
+    stream stays current: `caller_stream` is made current again. A capture that raises midway never
+    runs the generators' capture epilogue, so they stay in capture mode and the next random op
+    outside a graph fails ("Offset increment outside graph capture"). Swapping in a fresh copy of
+    each generator's state (same seed and offset, not capturing) puts them back in order.
     """
+    torch.cuda.set_stream(caller_stream)
     for gen in torch.cuda.default_generators:
         gen.graphsafe_set_state(gen.clone_state())
 

@@ -417,9 +417,7 @@ class GraphedCallable:
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         out = self._bucket_call(bucket)
                 except Exception as err:
-                    # A failed capture_end leaves torch.cuda.graph's side stream current: restore the caller's.
-                    torch.cuda.set_stream(caller_stream)
-                    recover_from_failed_capture()
+                    recover_from_failed_capture(caller_stream)
                     self._inputs, self._capture_args, self._capture_kwargs = {}, (), {}
                     raise GraphCaptureError(explain_capture_error(err, self._name, bucket)) from err
                 _map_tensors(functools.partial(self._check_output_rows, bucket), out)

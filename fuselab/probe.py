@@ -290,6 +290,7 @@ def _event_ordering_holds(a: torch.Tensor) -> bool:
     producer, consumer = torch.cuda.Stream(), torch.cuda.Stream()
     buf = torch.zeros(1 << 20, device="cuda")
     ready = torch.cuda.Event()
+    producer.wait_stream(torch.cuda.current_stream())  # buf's zero-fill first
     with torch.cuda.stream(producer):
         for _ in range(20):
             a @ a  # delay the write, so a missing wait would read stale zeros

@@ -318,12 +318,13 @@ def _bench_graph(fn, warmup_ms, rep_ms, min_reps, max_reps) -> list[float]:
 
     def capture(n_inner: int) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph):
                 for _ in range(n_inner):
                     fn()
         except Exception as err:
-            recover_from_failed_capture()
+            recover_from_failed_capture(caller)
             raise RuntimeError(
                 f"bench(cuda_graph=True): fn could not be captured in a CUDA graph ({err}). "
                 "Graph capture forbids host syncs (.item(), .cpu(), printing a tensor) and CPU tensors; "

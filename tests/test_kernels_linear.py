@@ -48,6 +48,8 @@ def test_non_contiguous_inputs(device):
     x = _randn((600,), torch.float32, device, 1)[::2].unsqueeze(0)  # stride 2 along K
     w = _randn((300, 40), torch.float32, device, 2).t()  # [40, 300], column stride 40
     _check(x, w)
+    bias = _randn((80,), torch.float32, device, 3)[::2]  # stride 2
+    _check(x, _randn((40, 300), torch.float32, device, 4), bias)
 
 
 def test_several_rows_and_gradients_go_to_cublas(device, monkeypatch):

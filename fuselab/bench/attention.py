@@ -284,12 +284,13 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
     for head_dim in args.head_dims if args.only != "decode" else ():
         batch, heads = PREFILL_TOKENS // seq, PREFILL_WIDTH // head_dim
         q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        key = _flash_common.padded_head_dim(head_dim)  # the configs are keyed by the padded head dim
         for causal in (True, False):
-            timed = _time_configs(_flash_common.FORWARD_CONFIGS, head_dim, forward_candidates(),
+            timed = _time_configs(_flash_common.FORWARD_CONFIGS, key, forward_candidates(),
                                   lambda: bench(lambda: flash_attention(q, k, v, causal=causal), **timing).median_us)
             flops = prefill_flops(batch, heads, seq, head_dim, causal, backward=False)
             out.append({"kernel": "flash forward", "head_dim": head_dim, "causal": causal,
-                        "current": _flash_common.FORWARD_CONFIGS[head_dim]._asdict(),
+                        "current": _flash_common.FORWARD_CONFIGS[key]._asdict(),
                         "best": [{**t, "tflops": flops / t["median_us"] / 1e6} for t in timed[:3]]})
         del q, k, v
         torch.cuda.empty_cache()

@@ -63,7 +63,9 @@ def measure(args: argparse.Namespace) -> dict:
         for p in params:
             p.grad = torch.randn_like(p)
         n_values = count * params[0].numel()
-        for name, opt in _optimizers(params).items():
+        optimizers = _optimizers(params)
+        for name in list(optimizers):
+            opt = optimizers.pop(name)  # dropped after its turn, with its state: one optimizer's state at a time
             record = {"case": case, "params": count, "values": n_values, "impl": name,
                       "median_us": None, "gbs": None, "pct_of_copy": None, "host_us": None, "error": None}
             try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import os
-import statistics
 
 from fuselab.doctor.report import PART_NAMES, step_time
 from fuselab.doctor.syncs import SYNC_APIS
@@ -29,11 +28,16 @@ def _rect(x0: float, x1: float, y: float, h: float, color: str, title: str) -> s
             f"<title>{html.escape(title)}</title></rect>")
 
 
+def _median_step(diagnosis: Diagnosis) -> int:
+    """The index of the step whose wall time is the median (the upper one of an even count)."""
+    steps = diagnosis.analysis.steps
+    return sorted(range(len(steps)), key=lambda i: steps[i].wall_us)[len(steps) // 2]
+
+
 def timeline_svg(diagnosis: Diagnosis) -> str:
     """SVG timeline of the step whose wall time is the median."""
     a = diagnosis.analysis
-    order = sorted(range(len(a.steps)), key=lambda i: a.steps[i].wall_us)
-    k = order[len(order) // 2]
+    k = _median_step(diagnosis)
     step, indices = a.steps[k], a.step_events[k]
     t0, span = step.start, max(step.end - step.start, 1e-9)
 
@@ -96,7 +100,7 @@ def write_html(diagnosis: Diagnosis, path: str | os.PathLike) -> None:
             f"<td>{s.median_kernel_us:.1f}</td><td>{s.syncs}</td></tr>" for s in d.analysis.steps)
         steps = ("<h2>steps</h2><table><tr><th>step</th><th>wall us</th><th>GPU busy</th><th>kernels</th>"
                  f"<th>median kernel us</th><th>syncs</th></tr>{rows}</table>"
-                 f"<h2>timeline of the median step ({statistics.median(s.wall_us for s in d.analysis.steps):.0f} us)</h2>"
+                 f"<h2>timeline of the median step ({d.analysis.steps[_median_step(d)].wall_us:.0f} us)</h2>"
                  f"{timeline_svg(d)}<p><small>purple: launch calls; red: syncs and sync stalls; green/blue: compute-/memory-bound "
                  "kernels; grey: copies; amber: GPU waiting for the host to launch; light grey: other idle; "
                  "faint grey: the profiler's own overhead, left out of the step</small></p>")

@@ -30,7 +30,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling, for repeatable draws")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--mode", choices=("eager", "fused", "graphs"), default=None,
-                   help="eager: torch ops; fused: fuselab kernels; graphs: fused (+ CUDA-graph decode to come). "
+                   help="eager: torch ops; fused: fuselab kernels; graphs: fused, each decode step replayed from a CUDA graph. "
                         "Default graphs on a GPU, eager on a CPU (fused there runs Triton's interpreter: slow)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default bfloat16 on a GPU, float32 on a CPU")

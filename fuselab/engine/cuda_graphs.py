@@ -82,8 +82,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     outputs = self.step(bucket)
             except Exception as err:
-                torch.cuda.set_stream(caller)  # a failed capture leaves the capture stream current
-                recover_from_failed_capture()
+                recover_from_failed_capture(caller)
                 raise GraphCaptureError(explain_capture_error(err, "the decode step", bucket)) from err
             self.graphs[bucket] = (graph, outputs)
         torch.cuda.synchronize(self.device)

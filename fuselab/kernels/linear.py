@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
+from fuselab.kernels._validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -136,13 +136,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N].
 
     A single row (a batch-1 decode step) with N below 64 × the GPU's SM count runs the Triton GEMV;
-    everything else, and any input that needs a gradient, is F.linear (cuBLAS).
+    everything else, any input that needs a gradient, and a weight whose rows are not contiguous
+    (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
     """
     _check(x, weight, bias)
-    if x.numel() == 0 or 0 in weight.shape or not gemv_wins(x, weight) or needs_autograd(x, weight, bias):
+    if (x.numel() == 0 or 0 in weight.shape or weight.stride(1) != 1 or not gemv_wins(x, weight)
+            or needs_autograd(x, weight, bias)):
         return F.linear(x, weight, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    return gemv_launch(x, weight, bias)
+    return gemv_launch(x, weight, None if bias is None else contiguous(bias))
