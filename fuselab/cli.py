@@ -88,8 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe(sub)
     add_doctor_parser(sub)
     add_generate_parser(sub)
-    if BENCH_SUBJECTS:
-        _add_bench(sub)
+    _add_bench(sub)
     return parser
 
 

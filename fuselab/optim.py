@@ -28,17 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.device import triton_interpreted
 from fuselab.kernels._launch import cdiv
+from fuselab.kernels._validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Elements one program updates, and its warps: measured on an H200 (scripts/tune-kernels, 64 x 4096^2
 # fp32 parameters), 1024 x 4 warps ran at the copy bandwidth, 7.06 ms a step, against 7.3-8.9 ms for
 # 2048-8192 and 8.68 ms for torch's fused AdamW: many small programs keep more loads in flight per SM.
 BLOCK = 1024
 _NUM_WARPS = 4
-# Columns of the per-tensor address table.
-_PARAM, _EXP_AVG, _EXP_AVG_SQ, _MASTER, _NUMEL, _COLUMNS = range(6)
+# Columns of the per-tensor address table: param, exp_avg, exp_avg_sq, master weights (addresses), numel.
+_NUMEL, _COLUMNS = 4, 5
 
 
 @triton.jit
@@ -241,13 +240,12 @@ class FusedAdamW(torch.optim.Optimizer):
             )
 
     def _build_plan(self, params: list[torch.Tensor], param_addresses: list[int]) -> _GroupPlan:
-        kernel_device_type = "cpu" if triton_interpreted() else "cuda"
         by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for i, p in enumerate(params):
-            if p.dtype not in _PARAM_DTYPES:
+            if p.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"FusedAdamW: parameter {i} must be float32, bfloat16 or float16, got {p.dtype}")
-            if p.device.type != kernel_device_type:
-                raise ValueError(f"FusedAdamW: parameter {i} must be a {kernel_device_type} tensor, got one on {p.device}")
+            if p.device.type != KERNEL_DEVICE_TYPE:
+                raise ValueError(f"FusedAdamW: parameter {i} must be a {KERNEL_DEVICE_TYPE} tensor, got one on {p.device}")
             if not p.is_contiguous():
                 raise ValueError(f"FusedAdamW: parameter {i} must be contiguous, got strides {p.stride()}")
             by_key.setdefault((p.device, p.dtype), []).append(p)

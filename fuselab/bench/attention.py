@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fuselab.bench import command_line, write_json
+from fuselab.bench import command_line, error_text, int_list, markdown_table, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -40,24 +40,14 @@ DECODE_IMPLS = ("fuselab", "torch sdpa (gathered)")
 DECODE_HEADS, DECODE_KV_HEADS, DECODE_HEAD_DIM, DECODE_BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B shapes
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seqs", type=_int_list, default=[1024, 4096, 16384], metavar="S1,S2,...",
+    parser.add_argument("--seqs", type=int_list, default=[1024, 4096, 16384], metavar="S1,S2,...",
                         help="prefill sequence lengths (default 1024,4096,16384); batch = 32768 / seq")
-    parser.add_argument("--head-dims", type=_int_list, default=[64, 128], metavar="D1,D2",
+    parser.add_argument("--head-dims", type=int_list, default=[64, 128], metavar="D1,D2",
                         help="prefill head dims (default 64,128); heads = 2048 / head_dim")
-    parser.add_argument("--batches", type=_int_list, default=[1, 8, 64], metavar="B1,B2,...",
+    parser.add_argument("--batches", type=int_list, default=[1, 8, 64], metavar="B1,B2,...",
                         help="decode batch sizes (default 1,8,64)")
-    parser.add_argument("--contexts", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+    parser.add_argument("--contexts", type=int_list, default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
                         metavar="C1,C2,...", help="decode context lengths (default 512 ... 32768)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--no-backward", action="store_true", help="time the prefill forward only")
@@ -133,7 +123,7 @@ def measure_prefill(args: argparse.Namespace, timing: dict) -> list[dict]:
                             us = bench(step, **timing).median_us
                             record.update(median_us=us, tflops=flops / us / 1e6)
                         except Exception as err:  # noqa: BLE001 - a backend that refuses a shape is a result
-                            record["error"] = _error_text(err)
+                            record["error"] = error_text(err)
                         records.append(record)
                         _progress(f"prefill B{batch} H{heads} S{seq} D{head_dim} causal={causal} "
                                   f"{record['pass']} {name}", record)
@@ -211,7 +201,7 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
                     gbs = nbytes / us / 1e3
                     record.update(median_us=us, gbs=gbs, pct_of_copy=100 * gbs / copy_gbs)
                 except Exception as err:  # noqa: BLE001 - e.g. the gathered copy running out of memory
-                    record["error"] = _error_text(err)
+                    record["error"] = error_text(err)
                 records.append(record)
                 _progress(f"decode batch {batch} context {context} {name}", record)
             del w, workloads, expected
@@ -247,7 +237,7 @@ def _time_configs(table: dict, key: int, candidates: list, time_us: Callable[[],
             try:
                 timed.append({"config": cfg._asdict(), "median_us": time_us()})
             except Exception as err:  # noqa: BLE001 - e.g. out of shared memory at this block size
-                _progress(f"sweep {cfg}", {"error": _error_text(err)})
+                _progress(f"sweep {cfg}", {"error": error_text(err)})
     finally:
         table[key] = original
     return sorted(timed, key=lambda t: t["median_us"])
@@ -316,10 +306,6 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 # Running and reporting
 # --------------------------------------------------------------------------------------------
-
-
-def _error_text(err: Exception) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
 
 
 def _progress(label: str, record: dict) -> None:
@@ -417,18 +403,14 @@ def _header_lines(result: dict) -> list[str]:
     ]
 
 
-def _markdown_table(columns, rows) -> list[str]:
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def write_markdown(result: dict, path: Path) -> None:
     lines = ["# fuselab bench attention", "", *(f"- {line}" for line in _header_lines(result))]
     if result["prefill"]:
         lines += ["", "## Prefill, TFLOP/s (ratios: fuselab's throughput over the backend's)", ""]
-        lines += _markdown_table(PREFILL_COLUMNS, prefill_rows(result))
+        lines += markdown_table(PREFILL_COLUMNS, prefill_rows(result))
     if result["decode"]:
         lines += ["", "## Decode over a paged cache (speed-up: torch's time over fuselab's)", ""]
-        lines += _markdown_table(DECODE_COLUMNS, decode_rows(result))
+        lines += markdown_table(DECODE_COLUMNS, decode_rows(result))
     if result.get("sweep"):
         lines += ["", "## Launch-config sweep (block sizes, warps, stages; fastest first)", ""]
         lines += [f"- {line}" for line in sweep_lines(result)]

@@ -31,8 +31,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from fuselab.bench import command_line, write_json
-from fuselab.bench.graphs import _batch_sizes, count_launches
+from fuselab.bench import batch_sizes, command_line, error_text, fmt, write_json
+from fuselab.bench.graphs import count_launches
 from fuselab.device import ceilings, device_info, has_cuda
 
 PRESETS = ("llama3-1b", "llama3-8b")
@@ -57,7 +57,7 @@ def _modes(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=PRESETS, default="llama3-1b", help="model shape (default llama3-1b)")
-    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1], metavar="B1,B2,...",
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=[1], metavar="B1,B2,...",
                         help="batch sizes to measure (default 1)")
     parser.add_argument("--batch-sweep", action="store_const", const=BATCH_SWEEP, dest="batch_sizes",
                         help=f"measure batch sizes {','.join(map(str, BATCH_SWEEP))}")
@@ -326,7 +326,7 @@ def measure(args: argparse.Namespace) -> dict:
             (_measure_hf_mode if mode in HF_MODES else _measure_engine_mode)(mode, args, rows, doctor)
         except Exception as err:  # noqa: BLE001
             # One mode's failure (a baseline's compiler, say) costs its own rows, not the run's.
-            failed[mode] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            failed[mode] = error_text(err, limit=None)
             traceback.print_exc()
             print(f"{mode} failed: {failed[mode]}; going on with the other modes", flush=True)
         _release()
@@ -358,14 +358,10 @@ DOCTOR_COLUMNS = ["mode", "verdict", "step us", "kernels", "syncs", "GPU busy",
                   *(f"{p.replace('_', ' ')}" for p in BREAKDOWN)]
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def _table_rows(result: dict) -> list[list[str]]:
-    return [[r["mode"], str(r["batch"]), _fmt(r["decode_tok_s"], ".1f"), _fmt(r["bandwidth_pct"], ".0f") + "%",
-             _fmt(r["ttft_ms"], ".1f"), _fmt(r["itl_p50_ms"], ".2f"), _fmt(r["itl_p99_ms"], ".2f"),
-             _fmt(r["kernels_per_step"], ".0f"), _fmt(r["compile_s"], ".1f")] for r in result["rows"]]
+    return [[r["mode"], str(r["batch"]), fmt(r["decode_tok_s"], ".1f"), fmt(r["bandwidth_pct"], ".0f") + "%",
+             fmt(r["ttft_ms"], ".1f"), fmt(r["itl_p50_ms"], ".2f"), fmt(r["itl_p99_ms"], ".2f"),
+             fmt(r["kernels_per_step"], ".0f"), fmt(r["compile_s"], ".1f")] for r in result["rows"]]
 
 
 def _doctor_rows(result: dict) -> list[list[str]]:

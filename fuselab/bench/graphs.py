@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from fuselab.bench import command_line, write_json
+from fuselab.bench import batch_sizes, command_line, fmt, write_json
 from fuselab.device import device_info, has_cuda
 from fuselab.graphs import graphed
 from fuselab.timing import bench
@@ -38,21 +38,11 @@ LABELS = {"eager": "eager", "graphed": "graphed", "compiled": "compiled", "graph
 _LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cudaMemset")
 
 
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"batch sizes must be comma-separated ints, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive ints, got {text!r}")
-    return sorted(set(sizes))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=64, help="Linear+SiLU layers in the chain (default 64: ~128 kernels a call)")
     parser.add_argument("--width", type=int, default=128, help="features per layer (default 128)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="B1,B2,...",
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="B1,B2,...",
                         help="batch sizes to time (default 1,2,4,8,16,32,64); graphed captures buckets up to the largest")
     parser.add_argument("--rep-ms", type=float, default=200.0, help="measuring time per mode and batch size (default 200)")
     parser.add_argument("--rounds", type=int, default=5,
@@ -167,10 +157,6 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def _time_cell(entry: dict | None) -> str:
     """The median round, and the fastest and slowest rounds when there were several."""
     if entry is None:
@@ -184,10 +170,10 @@ def _table_rows(result: dict) -> list[list[str]]:
     out = []
     for r in result["rows"]:
         times = [_time_cell(r[m]) for m in MODES]
-        kernels = "/".join(_fmt(r[m] and r[m]["kernels"], "d") for m in MODES)
-        launches = "/".join(_fmt(r[m] and r[m]["launches"], "d") for m in MODES)
-        speedups = [_fmt(r[f"{m}_speedup"], ".1f") for m in MODES[1:]]
-        out.append([str(r["batch"]), *times, *speedups, kernels, launches, _fmt(r["compile_s"], ".2f")])
+        kernels = "/".join(fmt(r[m] and r[m]["kernels"], "d") for m in MODES)
+        launches = "/".join(fmt(r[m] and r[m]["launches"], "d") for m in MODES)
+        speedups = [fmt(r[f"{m}_speedup"], ".1f") for m in MODES[1:]]
+        out.append([str(r["batch"]), *times, *speedups, kernels, launches, fmt(r["compile_s"], ".2f")])
     return out
 
 

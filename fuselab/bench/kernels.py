@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from fuselab.bench import command_line, write_json
+from fuselab.bench import command_line, error_text, markdown_table, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -284,10 +284,6 @@ def _implementations(op: OpBench, use_compile: bool) -> dict[str, Callable]:
     return impls
 
 
-def _error_text(err: Exception) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Time every implementation of every selected op and size; the result as one JSON-ready dict."""
     torch.manual_seed(0)
@@ -315,7 +311,7 @@ def measure(args: argparse.Namespace) -> dict:
                         if size == "decode" and pass_name == "forward":
                             host.append({"op": op.name, "impl": impl, "host_us": host_us_per_call(make_step(fn, workload))})
                     except Exception as err:  # noqa: BLE001 - one failing implementation must not end the run
-                        record["error"] = _error_text(err)
+                        record["error"] = error_text(err)
                     results.append(record)
                     print(f"  {op.name} {size} {pass_name} {impl}: "
                           + (record["error"] or f"{record['median_us']:.1f} us"), file=sys.stderr)
@@ -381,17 +377,13 @@ def _header_lines(result: dict) -> list[str]:
     ]
 
 
-def _markdown_table(columns, rows) -> list[str]:
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *("| " + " | ".join(r) + " |" for r in rows)]
-
-
 def write_markdown(result: dict, path: Path) -> None:
     lines = ["# fuselab bench kernels", "", *(f"- {line}" for line in _header_lines(result)), ""]
     lines += ["Time per call (% of the copy bandwidth reached, counting the fewest bytes the op must move); "
               "speed-up: the best other implementation's time over fuselab's.", ""]
-    lines += _markdown_table(TABLE_COLUMNS, table_rows(result))
+    lines += markdown_table(TABLE_COLUMNS, table_rows(result))
     lines += ["", "## Host cost per call at decode size (µs, wall time of the Python call, no sync)", ""]
-    lines += _markdown_table(("op", *IMPLEMENTATIONS), host_rows(result))
+    lines += markdown_table(("op", *IMPLEMENTATIONS), host_rows(result))
     path.write_text("\n".join(lines) + "\n")
 
 

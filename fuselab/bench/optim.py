@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from fuselab.bench import command_line, write_json
+from fuselab.bench import command_line, error_text, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -73,7 +73,7 @@ def measure(args: argparse.Namespace) -> dict:
                 gbs = n_values * BYTES_PER_PARAM / us / 1e3
                 record.update(median_us=us, gbs=gbs, pct_of_copy=100 * gbs / copy_gbs, host_us=_host_us_per_step(opt.step))
             except Exception as err:  # noqa: BLE001 - one failing implementation must not end the run
-                record["error"] = f"{type(err).__name__}: {err}"[:200]
+                record["error"] = error_text(err)
             results.append(record)
             print(f"  {case} {name}: " + (record["error"] or f"{record['median_us']:.1f} us"), file=sys.stderr)
             del opt

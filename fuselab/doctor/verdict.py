@@ -32,7 +32,6 @@ from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.fusion import GRAPH_FIX
 from fuselab.doctor.trace import CpuOp
 
-VERDICTS = ("launch-bound", "sync-bound", "memory-bound", "compute-bound")
 IDLE_SHARE = 0.30
 TINY_KERNEL_US = 5.0
 TINY_KERNEL_MIN_COUNT = 20

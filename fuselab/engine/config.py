@@ -40,6 +40,12 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def eos_token_ids(d: dict) -> tuple[int, ...]:
+    """`eos_token_id` of a config.json or generation_config.json: absent, one id, or a list."""
+    eos = d.get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -78,8 +84,7 @@ class ModelConfig:
             # Attention over a window at least as long as the context is full attention: serve
             # contexts up to the window exactly, and no further.
             max_pos = min(max_pos, int(d["sliding_window"]))
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos_ids = eos_token_ids(d)
         dtype = d.get("dtype", d.get("torch_dtype"))
         return cls(
             model_type=model_type,

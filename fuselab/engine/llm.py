@@ -15,12 +15,12 @@ from typing import Callable, Iterator, Sequence as SequenceType
 import torch
 
 from fuselab.device import default_device, has_cuda
-from fuselab.engine.config import PRESETS, ModelConfig
+from fuselab.engine.config import PRESETS, ModelConfig, eos_token_ids
 from fuselab.engine.kv_cache import BlockManager, KVCache, num_blocks_for_memory
 from fuselab.engine.model import build_model
 from fuselab.engine.runner import ModelRunner, StepOutput
 from fuselab.engine.sampler import Sampler
-from fuselab.engine.sampling_params import SamplingParams
+from fuselab.engine.sampling_params import SamplingParams, is_int
 from fuselab.engine.scheduler import Scheduler
 from fuselab.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from fuselab.engine.tokenizer import load_tokenizer
@@ -182,7 +182,7 @@ class LLM:
 
     def _make_sequences(self, prompts, sampling_params) -> list[Sequence]:
         """Validate every prompt and parameter before any work, then wrap them as Sequences."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and _is_int(prompts[0])):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; "
@@ -211,7 +211,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"prompts[{i}] is a string but the model has no tokenizer.json: pass token ids")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:
             raise TypeError(f"prompts[{i}] must be a string or a list of int token ids, got {type(prompt).__name__}")
@@ -241,12 +241,8 @@ class LLM:
 # -------------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -310,8 +306,7 @@ def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:
     path = None if model_dir is None else model_dir / "generation_config.json"
     if path is None or not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return eos_token_ids(json.loads(path.read_text()))
 
 
 @contextmanager

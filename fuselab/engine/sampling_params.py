@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int, and not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -32,19 +33,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = no limit), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be a sequence of ints >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         # Frozen: normalize through object.__setattr__ so that equal params compare equal.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

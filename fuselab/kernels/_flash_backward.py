@@ -9,13 +9,18 @@ saved log-sum-exp: p = exp2(q路k岬�路scale路log2(e) - lse), ds = p 路 (dout路v岬
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._flash_common import backward_config, dot_precision, new_row_stats, padded_head_dim, row_strides
+from fuselab.kernels._flash_common import (
+    LOG2E,
+    backward_config,
+    dot_precision,
+    new_row_stats,
+    padded_head_dim,
+    row_strides,
+)
 from fuselab.kernels._launch import cdiv
 
 # --------------------------------------------------------------------------------------------
@@ -252,7 +257,7 @@ def flash_backward(
     cfg = backward_config(head_dim)
     shape = dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), VARLEN=varlen)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    qk_scale = scale * math.log2(math.e)
+    qk_scale = scale * LOG2E
     q_strides, do_strides = row_strides(q, varlen), row_strides(dout, varlen)
     kv_strides = (*row_strides(k, varlen), *row_strides(v, varlen))
 

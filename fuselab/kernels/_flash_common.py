@@ -5,6 +5,7 @@ sequence's rows are addressed in the padded [batch, heads, seq, head_dim] and pa
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -55,6 +56,20 @@ def new_row_stats(q: torch.Tensor, varlen: bool) -> tuple[torch.Tensor, tuple[in
         return torch.empty(heads, total, device=q.device, dtype=torch.float32), (0, total)
     batch, heads, seq = q.shape[:3]
     return torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32), (heads * seq, seq)
+
+
+# Scores are exponentiated with exp2: the softmax scale is folded with log2(e).
+LOG2E = math.log2(math.e)
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale: 1/sqrt(head_dim) by default, else a positive finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    # Positive, so that the row maximum of the scaled scores is the scaled row maximum.
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

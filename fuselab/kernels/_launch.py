@@ -13,12 +13,14 @@ from collections.abc import Iterator
 
 import torch
 
+from fuselab.device import triton_interpreted
+
 # Programmatic dependent launch (Hopper and newer), inside `dependent_launches()`: a kernel may start
 # while the kernel before it drains its last wave; it loads what no kernel of the step writes (the
 # weights), then waits (gdc_wait) before it reads that kernel's output or writes anything. In a
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
 # (benchmarks/results/2026-11-30-h200/decode-levers-2). FUSELAB_PDL=0 turns it off.
-_PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+_PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
 _pdl_scope = False
 
 
@@ -29,6 +31,13 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.lru_cache(maxsize=4096)
+def column_grid(n_rows: int, n_cols: int, max_block: int) -> tuple[tuple[int, int], int]:
+    """((rows, column blocks), block) for an elementwise kernel over rows cut into blocks of at most max_block."""
+    block = min(max_block, next_power_of_2(n_cols))
+    return (n_rows, cdiv(n_cols, block)), block
 
 
 @functools.cache

@@ -6,14 +6,13 @@ The unfused pair writes x + bias out and reads it back; here it stays in registe
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._launch import cdiv, next_power_of_2
+from fuselab.kernels._launch import column_grid
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -52,18 +51,12 @@ _MAX_BLOCK = 1024
 _NUM_WARPS = 4
 
 
-@functools.lru_cache(maxsize=4096)
-def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
-    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
-    return (n_rows, cdiv(n_cols, block)), block
-
-
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
     n_cols = x.shape[-1]
-    grid, block = _grid(x.numel() // n_cols, n_cols)
+    grid, block = column_grid(x.numel() // n_cols, n_cols, _MAX_BLOCK)
     _bias_act_forward_kernel[grid](x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
     return y
 
@@ -76,7 +69,7 @@ def bias_act_backward(
     if x.numel() == 0:
         return dx, torch.zeros_like(bias)
     n_cols = x.shape[-1]
-    grid, block = _grid(x.numel() // n_cols, n_cols)
+    grid, block = column_grid(x.numel() // n_cols, n_cols, _MAX_BLOCK)
     _bias_act_backward_kernel[grid](dy, x, bias, dx, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
     return dx, dx.view(-1, n_cols).sum(dim=0, dtype=torch.float32).to(bias.dtype)
 

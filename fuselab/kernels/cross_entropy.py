@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._launch import next_power_of_2
-from fuselab.kernels._validate import check_float_tensor
+from fuselab.kernels._validate import check_float_tensor, needs_autograd
 
 _REDUCTIONS = ("mean", "sum", "none")
 # The longest chunk of a row one step of the walk covers. 32k logits keep ~32 values per thread at
@@ -217,7 +217,7 @@ def cross_entropy(
     number of the other rows. The loss has the logits' dtype.
     """
     _check_inputs(logits, target, ignore_index, reduction, label_smoothing)
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if needs_autograd(logits):
         return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, label_smoothing)
     loss, _ = _cross_entropy_forward(logits, target, ignore_index, reduction, label_smoothing, write_grad=False)
     return loss

@@ -13,20 +13,20 @@ variable-length batches (`flash_attention_varlen`): `cu_seqlens` gives each sequ
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from fuselab.kernels._flash_backward import flash_backward
 from fuselab.kernels._flash_common import (
+    LOG2E,
     SUPPORTED_HEAD_DIMS,
     dot_precision,
     forward_config,
     load_tile,
     new_row_stats,
     padded_head_dim,
+    resolve_scale,
     row_strides,
 )
 from fuselab.kernels._launch import cdiv
@@ -155,9 +155,6 @@ def _flash_forward_kernel(
 # Host launcher
 # --------------------------------------------------------------------------------------------
 
-LOG2E = math.log2(math.e)
-
-
 def flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,15 +245,6 @@ def _check_qkv(q: object, k: object, v: object, ndim: int, layout: str) -> None:
         raise ValueError(f"k has {k.shape[0]} {dim} but q has {q.shape[0]}")
 
 
-def _resolve_scale(scale: float | None, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    # Positive, so that the row maximum of the scaled scores is the scaled row maximum.
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
-
-
 def _run(q, k, v, cu_seqlens, max_seqlen, causal, scale) -> torch.Tensor:
     q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
     if needs_autograd(q, k, v):
@@ -279,7 +267,7 @@ def flash_attention(
         raise ValueError(f"causal attention needs as many keys as queries: k has seq {seq_k}, q has seq {seq_q}")
     if seq_k == 0 and seq_q > 0:
         raise ValueError("k has no keys: attention over an empty sequence is undefined")
-    scale = _resolve_scale(scale, q.shape[-1])
+    scale = resolve_scale(scale, q.shape[-1])
     if q.numel() == 0:
         return torch.empty_like(q)
     return _run(q, k, v, None, seq_q, bool(causal), scale)
@@ -312,7 +300,7 @@ def flash_attention_varlen(
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
-    scale = _resolve_scale(scale, q.shape[-1])
+    scale = resolve_scale(scale, q.shape[-1])
     if q.numel() == 0 or max_seqlen == 0 or cu_seqlens.numel() == 1:
         return torch.zeros_like(q)
     return _run(q, k, v, cu_seqlens.contiguous(), max_seqlen, bool(causal), scale)

@@ -16,16 +16,21 @@ data-dependent allocation, so a captured CUDA graph replays it with new seq_lens
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS, dot_precision, padded_head_dim
+from fuselab.kernels._flash_common import (
+    LOG2E,
+    SUPPORTED_HEAD_DIMS,
+    dot_precision,
+    padded_head_dim,
+    resolve_scale,
+)
 from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor
+from fuselab.kernels._validate import INTERPRETED, check_float_tensor, check_like
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -223,7 +228,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
         vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
-        splits, scale * math.log2(math.e),
+        splits, scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
@@ -261,12 +266,7 @@ def _check_caches(k_cache: object, v_cache: object) -> None:
             raise ValueError(f"{name} must be [num_blocks, block_size, kv_heads, head_dim], got shape {tuple(t.shape)}")
         if t.stride(3) != 1:
             raise ValueError(f"{name} must have a unit-stride head_dim, got strides {t.stride()}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has shape {tuple(k_cache.shape)}")
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache has dtype {v_cache.dtype} but k_cache has dtype {k_cache.dtype}")
-    if v_cache.device != k_cache.device:
-        raise ValueError(f"v_cache is on {v_cache.device} but k_cache is on {k_cache.device}")
+    check_like("v_cache", v_cache, "k_cache", k_cache)
     block_size = k_cache.shape[1]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"k_cache's block_size (dim 1) must be a power of two, got {block_size}")
@@ -354,10 +354,7 @@ def decode_attention(
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
     elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
         raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    scale = resolve_scale(scale, head_dim)
     if batch == 0:
         return torch.empty_like(q)
     if q.stride(2) != 1:

@@ -302,7 +302,7 @@ def apply_rope(
     """
     _check_inputs(q, k, positions, cos_sin, layout)
     interleaved = layout == "interleaved"
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+    if needs_autograd(q, k):
         return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
     return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
 

@@ -7,13 +7,12 @@ projection), and reads both halves in place without splitting x.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, use_pdl
+from fuselab.kernels._launch import column_grid, use_pdl
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -64,12 +63,6 @@ _MAX_BLOCK = 4096
 _NUM_WARPS = 8
 
 
-@functools.lru_cache(maxsize=4096)
-def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int]:
-    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
-    return (n_rows, cdiv(n_cols, block)), block
-
-
 def swiglu_forward(
     gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor, in_row_stride: int, up_offset: int = 0
 ) -> torch.Tensor:
@@ -78,7 +71,7 @@ def swiglu_forward(
     if out.numel() == 0:
         return out
     n_cols = out.shape[-1]
-    grid, block = _grid(out.numel() // n_cols, n_cols)
+    grid, block = column_grid(out.numel() // n_cols, n_cols, _MAX_BLOCK)
     pdl = use_pdl(out.device)
     _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
                                  num_warps=_NUM_WARPS, launch_pdl=pdl)
@@ -98,7 +91,7 @@ def swiglu_backward(
     if dy.numel() == 0:
         return
     n_cols = dy.shape[-1]
-    grid, block = _grid(dy.numel() // n_cols, n_cols)
+    grid, block = column_grid(dy.numel() // n_cols, n_cols, _MAX_BLOCK)
     _swiglu_backward_kernel[grid](
         dy, gate, up, dgate, dup, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS
     )
