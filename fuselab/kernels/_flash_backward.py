@@ -20,6 +20,7 @@ from fuselab.kernels._flash_common import (
     new_row_stats,
     padded_head_dim,
     row_strides,
+    sequence_span,
 )
 from fuselab.kernels._launch import cdiv
 
@@ -38,11 +39,7 @@ def _delta_kernel(
     pid_m = tl.program_id(0)
     batch = tl.program_id(1) // num_heads
     head = (tl.program_id(1) % num_heads).to(tl.int64)
-    if VARLEN:
-        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
-        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
-    else:
-        first_row = batch.to(tl.int64) * 0
+    first_row, seq_q, _ = sequence_span(CU_SEQLENS, batch, seq_q, seq_q, VARLEN)
     batch = batch.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -95,12 +92,7 @@ def _flash_backward_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     batch = tl.program_id(1) // num_kv_heads
     kv_head = tl.program_id(1) % num_kv_heads
-    if VARLEN:
-        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
-        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
-        seq_k = seq_q
-    else:
-        first_row = batch.to(tl.int64) * 0
+    first_row, seq_q, seq_k = sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN)
     if start_n >= seq_k:
         return
     batch = batch.to(tl.int64)
@@ -186,12 +178,7 @@ def _flash_backward_dq_kernel(
     head = tl.program_id(1) % num_heads
     kv_head = (head // group_size).to(tl.int64)
     head = head.to(tl.int64)
-    if VARLEN:
-        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
-        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
-        seq_k = seq_q
-    else:
-        first_row = batch.to(tl.int64) * 0
+    first_row, seq_q, seq_k = sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN)
     if start_m >= seq_q:
         return
     batch = batch.to(tl.int64)

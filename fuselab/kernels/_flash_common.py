@@ -34,6 +34,19 @@ def load_tile(ptrs, row_ok, d_ok, CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr)
     return tile
 
 
+@triton.jit
+def sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN: tl.constexpr):
+    """(first row, query rows, key rows) of sequence `batch`: from cu_seqlens when packed (as many
+    keys as queries), else row 0 of its own batch entry and the padded lengths."""
+    if VARLEN:
+        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
+        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
+        seq_k = seq_q
+    else:
+        first_row = batch.to(tl.int64) * 0
+    return first_row, seq_q, seq_k
+
+
 # --------------------------------------------------------------------------------------------
 # Layouts
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from fuselab.kernels._flash_common import (
     padded_head_dim,
     resolve_scale,
     row_strides,
+    sequence_span,
 )
 from fuselab.kernels._launch import cdiv
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
@@ -104,12 +105,7 @@ def _flash_forward_kernel(
     batch = pid_bh // num_heads
     head = pid_bh % num_heads
     kv_head = head // group_size
-    if VARLEN:
-        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
-        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
-        seq_k = seq_q
-    else:
-        first_row = batch.to(tl.int64) * 0
+    first_row, seq_q, seq_k = sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN)
     start_m = pid_m * BLOCK_M
     if start_m >= seq_q:
         return
