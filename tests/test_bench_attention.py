@@ -87,5 +87,29 @@ def test_tables_show_each_backend_and_the_ratios(tmp_path: Path):
 
 
 def test_sweep_candidates_fit_the_causal_diagonal():
-    assert all(c.block_m % c.block_n == 0 for c in bench_attention.forward_candidates())
+    candidates = bench_attention.forward_candidates() + bench_attention.tma_forward_candidates()
+    assert all(c.block_m % c.block_n == 0 for c in candidates)
+
+
+def test_config_timing_ranks_the_candidates_and_leaves_the_table_as_it_was():
+    from typing import NamedTuple
+
+    class Cfg(NamedTuple):
+        name: str
+
+    table = {1: Cfg("kept")}
+    costs = {"slow": 2.0, "fast": 1.0}  # "big" fails to compile
+
+    def time_us():
+        name = table[2].name
+        if name not in costs:
+            raise RuntimeError("out of resource: shared memory")
+        return costs[name]
+
+    timed = bench_attention._time_configs(table, 2, [Cfg("slow"), Cfg("big"), Cfg("fast")], time_us)
+    assert [t["config"]["name"] for t in timed] == ["fast", "slow"]
+    assert table == {1: Cfg("kept")}  # the key it lacked is left out again
+    table[2] = Cfg("current")
+    bench_attention._time_configs(table, 2, [Cfg("fast")], time_us)
+    assert table[2] == Cfg("current")
     assert len(bench_attention.decode_candidates()) > 1

@@ -22,6 +22,28 @@ def test_forward_matches_reference(device, dtype, width, activation):
     assert_close(bias_act(x, bias, activation), expected, dtype)
 
 
+def test_exact_gelu_keeps_relative_accuracy_across_its_range_and_in_the_negative_tail(device):
+    """The erfc fit behind GELU: relative, not only absolute, accuracy down to gelu(-12) ~ 1e-32 (the
+    fp32 rounding of x² bounds it there, to ~1e-5)."""
+    x = torch.cat([torch.linspace(-12, 12, 4801), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).to(device)[:, None]
+    zero = torch.zeros(1, device=device)
+    # Written with erfc: torch's own float64 GELU computes 1 + erf and cancels to 0 below x = -8.5.
+    xd = x.double()
+    phi = 0.5 * torch.special.erfc(-xd / 2**0.5)
+    torch.testing.assert_close(bias_act(x, zero, "gelu").double(), xd * phi, rtol=3e-5, atol=0)
+    xk = x.clone().requires_grad_(True)
+    bias_act(xk, zero, "gelu").sum().backward()
+    grad = phi + xd * torch.exp(-0.5 * xd * xd) / (2 * torch.pi) ** 0.5
+    torch.testing.assert_close(xk.grad.double(), grad, rtol=3e-5, atol=1e-7)  # grad crosses 0 at x = -0.75
+
+
+def test_exact_gelu_at_infinities_and_nan_matches_the_float64_reference(device):
+    x = torch.tensor([[float("inf")], [float("-inf")], [float("nan")]], device=device)
+    zero = torch.zeros(1, device=device)
+    expected = reference.bias_act(x.double(), zero.double(), "gelu")  # inf, nan (-inf · 0), nan
+    torch.testing.assert_close(bias_act(x, zero, "gelu").double(), expected, equal_nan=True)
+
+
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_backward_matches_autograd_of_reference(device, activation):
     x, bias, dy = _randn((3, 2, 100), torch.float32, device, 0), _randn((100,), torch.float32, device, 1), _randn(

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_checks import assert_close, leaf
+from kernel_checks import assert_close, kernel_module, leaf
 
 from fuselab.kernels import flash_attention, flash_attention_varlen, reference
 
@@ -49,6 +49,42 @@ def test_forward_matches_reference(device, causal, seq):
     out = flash_attention(q, k, v, causal=causal)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out, reference.attention(q.double(), k.double(), v.double(), causal=causal), torch.float32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq,group", [(1, 1), (7, 4), (129, 2)])
+def test_forward_through_tma_descriptors_matches_reference(device, monkeypatch, causal, seq, group):
+    """The TMA kernel: tails past the sequence arrive as zeros and are masked; GQA heads find their kv head."""
+    module = kernel_module("flash_attention")
+    cfg = module.forward_config(32)
+    if device == "cuda":
+        cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: cfg)
+    launched = []
+    kernel = module._flash_forward_tma_kernel
+    monkeypatch.setattr(module, "_flash_forward_tma_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), kernel[grid])[1]})())
+    q, k, v = _qkv(2, 4, 4 // group, seq, 32, torch.float16, device)
+    expected = reference.attention(q.double(), k.double(), v.double(), causal=causal)
+    assert_close(flash_attention(q, k, v, causal=causal), expected, torch.float16)
+    assert launched
+
+
+def test_tma_path_is_skipped_for_layouts_it_cannot_describe(device, monkeypatch):
+    module = kernel_module("flash_attention")
+    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: module.forward_config(head_dim))
+    monkeypatch.setattr(module, "_flash_forward_tma_kernel", None)  # would fail if used
+    cases = [
+        _qkv(1, 2, 2, 20, 80, torch.float16, device),  # head dim 80: padded to 128
+        _qkv(1, 2, 2, 20, 32, torch.float32, device),  # fp32: tiles sized for 16-bit types
+        [t.transpose(1, 2).contiguous().transpose(1, 2) for t in _qkv(1, 2, 2, 20, 32, torch.float16, device)],
+        # Contiguous, but 2 bytes past a 16-byte boundary.
+        [torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape) for t in _qkv(1, 2, 2, 20, 32, torch.float16, device)],
+    ]
+    assert cases[3][0].is_contiguous() and cases[3][0].data_ptr() % 16 == 2
+    for q, k, v in cases:
+        expected = reference.attention(q.double(), k.double(), v.double(), causal=True)
+        assert_close(flash_attention(q, k, v), expected, q.dtype)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])

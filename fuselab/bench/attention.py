@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from fuselab.bench import command_line, error_text, int_list, markdown_table, write_json
 from fuselab.device import ceilings, device_info, has_cuda
+from fuselab.kernels._launch import dependent_launches, pdl_allowed
 from fuselab.timing import bench
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -173,9 +174,11 @@ def paged_workloads(batch: int, context: int, dtype: torch.dtype) -> list[dict]:
 
 
 def decode_us(fn: Callable, workloads: list[dict], timing: dict) -> float:
-    """µs per call of `fn` over each workload in turn, the chain replayed from one CUDA graph."""
+    """µs per call of `fn` over each workload in turn, the chain replayed from one CUDA graph; fuselab's
+    kernels launched with programmatic dependent launch, as in the engine's decode step."""
     chain = lambda: [fn(**w) for w in workloads]  # noqa: E731
-    result = bench(chain, cuda_graph=True, warmup_ms=timing["warmup_ms"], rep_ms=timing["rep_ms"])
+    with dependent_launches():  # nothing in the chain writes what an earlier call reads
+        result = bench(chain, cuda_graph=True, warmup_ms=timing["warmup_ms"], rep_ms=timing["rep_ms"])
     return result.median_us / len(workloads)
 
 
@@ -221,15 +224,25 @@ def forward_candidates() -> list:
             if m % n == 0]
 
 
+def tma_forward_candidates() -> list:
+    from fuselab.kernels._flash_common import ForwardConfig
+
+    return [ForwardConfig(m, n, w, s) for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
+                                                         (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
+                                                         (128, 64, 8, 4))]
+
+
 def decode_candidates() -> list:
     from fuselab.kernels.paged_attention import DecodeConfig
 
     return [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
 
-def _time_configs(table: dict, key: int, candidates: list, time_us: Callable[[], float]) -> list[dict]:
-    """`time_us()` with each candidate in table[key]; a config that does not compile (shared memory) is skipped."""
-    original = table[key]
+def _time_configs(table: dict, key: object, candidates: list, time_us: Callable[[], float]) -> list[dict]:
+    """`time_us()` with each candidate in table[key]; a config that does not compile (shared memory)
+    is skipped. The table is left as it was, a key it lacked left out."""
+    missing = object()
+    original = table.get(key, missing)
     timed = []
     try:
         for cfg in candidates:
@@ -239,7 +252,10 @@ def _time_configs(table: dict, key: int, candidates: list, time_us: Callable[[],
             except Exception as err:  # noqa: BLE001 - e.g. out of shared memory at this block size
                 _progress(f"sweep {cfg}", {"error": error_text(err)})
     finally:
-        table[key] = original
+        if original is missing:
+            table.pop(key, None)
+        else:
+            table[key] = original
     return sorted(timed, key=lambda t: t["median_us"])
 
 
@@ -276,12 +292,23 @@ def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
         q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
         key = _flash_common.padded_head_dim(head_dim)  # the configs are keyed by the padded head dim
         for causal in (True, False):
-            timed = _time_configs(_flash_common.FORWARD_CONFIGS, key, forward_candidates(),
-                                  lambda: bench(lambda: flash_attention(q, k, v, causal=causal), **timing).median_us)
+            def time_us():
+                return bench(lambda: flash_attention(q, k, v, causal=causal), **timing).median_us
             flops = prefill_flops(batch, heads, seq, head_dim, causal, backward=False)
-            out.append({"kernel": "flash forward", "head_dim": head_dim, "causal": causal,
-                        "current": _flash_common.FORWARD_CONFIGS[key]._asdict(),
-                        "best": [{**t, "tflops": flops / t["median_us"] / 1e6} for t in timed[:3]]})
+            # The pointer kernel's tiles with the TMA kernel out of the way, then the TMA kernel's.
+            tma_table, tma_key = _flash_common.TMA_FORWARD_CONFIGS, (key, causal)
+            tma_current = tma_table.pop(tma_key, None)
+            try:
+                pointer = _time_configs(_flash_common.FORWARD_CONFIGS, key, forward_candidates(), time_us)
+            finally:
+                if tma_current is not None:
+                    tma_table[tma_key] = tma_current
+            tma = _time_configs(tma_table, tma_key, tma_forward_candidates(), time_us)
+            for kernel, timed, current in (("flash forward", pointer, _flash_common.FORWARD_CONFIGS[key]),
+                                           ("flash forward, TMA", tma, tma_current)):
+                out.append({"kernel": kernel, "head_dim": head_dim, "causal": causal,
+                            "current": None if current is None else current._asdict(),
+                            "best": [{**t, "tflops": flops / t["median_us"] / 1e6} for t in timed[:3]]})
         del q, k, v
         torch.cuda.empty_cache()
     if args.only == "prefill":
@@ -323,8 +350,9 @@ def measure(args: argparse.Namespace) -> dict:
         "ceilings": {"copy_bandwidth_gbs": ceiling.copy_bandwidth_gbs, "source": ceiling.source},
         "config": {"dtype": args.dtype, "quick": args.quick,
                    "timing": f"prefill: median of CUDA-event timings, L2 flushed between calls; decode: median of "
-                             f"CUDA-graph replays of a chain of distinct caches (4x L2), per call; {timing['rep_ms']:.0f} ms "
-                             "per figure",
+                             f"CUDA-graph replays of a chain of distinct caches (4x L2), per call, fuselab's kernels with "
+                             f"programmatic dependent launch ({'sm_90+' if pdl_allowed() else 'off: FUSELAB_PDL=0'}) as in "
+                             f"the engine's decode step; {timing['rep_ms']:.0f} ms per figure",
                    "decode": f"{DECODE_HEADS} heads / {DECODE_KV_HEADS} kv heads, head dim {DECODE_HEAD_DIM}, "
                              f"block size {DECODE_BLOCK_SIZE}, shuffled block tables"},
         "prefill": [] if args.only == "decode" else measure_prefill(args, timing),
@@ -385,7 +413,8 @@ def sweep_lines(result: dict) -> list[str]:
     for entry in result.get("sweep", []):
         causal = "" if entry["causal"] is None else f" causal={entry['causal']}"
         ranked = "; ".join(f"{tuple(t['config'].values())} {t['median_us']:.1f} µs" for t in entry["best"])
-        lines.append(f"{entry['kernel']} d={entry['head_dim']}{causal}: current {tuple(entry['current'].values())}, "
+        current = "none" if entry["current"] is None else tuple(entry["current"].values())
+        lines.append(f"{entry['kernel']} d={entry['head_dim']}{causal}: current {current}, "
                      f"fastest {ranked or 'none compiled'}")
     return lines
 

@@ -113,12 +113,22 @@ class BackwardConfig(NamedTuple):
 
 # Hopper (sm_90), keyed by the head dim rounded up to a power of two. Shared memory bounds them:
 # at d=128 a 128-row q tile plus three stages of 64-key K and V tiles is 128 KiB of 227.
+# d=64: 64-key steps over four stages, 22-25% faster than 128-key steps over three at seq 4096
+# (`fuselab bench attention --sweep`, benchmarks/results/2026-11-30-h200/attention-tma).
 FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     16: ForwardConfig(128, 64, 4, 3),
     32: ForwardConfig(128, 64, 4, 3),
-    64: ForwardConfig(128, 128, 8, 3),
+    64: ForwardConfig(128, 64, 8, 4),
     128: ForwardConfig(128, 64, 8, 3),
     256: ForwardConfig(64, 64, 8, 2),
+}
+# The forward kernel whose tiles move through TMA descriptors, keyed by (padded head dim, causal),
+# where it beat the pointer kernel above (same sweep, seq 4096): d=128 causal 1252 -> 1208 us with
+# 64-row tiles, non-causal 2281 -> 2213 us with 128x128 tiles. It serves padded, contiguous inputs
+# with a power-of-two head dim; everything else (packed sequences, strided views) takes the pointer kernel.
+TMA_FORWARD_CONFIGS: dict[tuple[int, bool], ForwardConfig] = {
+    (128, True): ForwardConfig(64, 64, 4, 3),
+    (128, False): ForwardConfig(128, 128, 8, 3),
 }
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     16: BackwardConfig(32, 64, 64, 32, 4, 3),
@@ -142,6 +152,11 @@ def padded_head_dim(head_dim: int) -> int:
 
 def forward_config(head_dim: int) -> ForwardConfig:
     return INTERPRETER_FORWARD if INTERPRETED else FORWARD_CONFIGS[padded_head_dim(head_dim)]
+
+
+def tma_forward_config(head_dim: int, causal: bool) -> ForwardConfig | None:
+    """The TMA kernel's tiles, or None where the pointer kernel is the faster (and in the interpreter)."""
+    return None if INTERPRETED else TMA_FORWARD_CONFIGS.get((head_dim, causal))
 
 
 def backward_config(head_dim: int) -> BackwardConfig:

@@ -58,6 +58,11 @@ def dependent_launches() -> Iterator[None]:
         _pdl_scope = outer
 
 
+def pdl_allowed() -> bool:
+    """False when FUSELAB_PDL=0 (or in the interpreter): no kernel uses programmatic dependent launch."""
+    return _PDL_ALLOWED
+
+
 def use_pdl(device: torch.device) -> bool:
     """Whether a kernel launched now on `device` uses programmatic dependent launch."""
     if not _pdl_scope or device.type != "cuda":

@@ -27,10 +27,13 @@ from fuselab.kernels._launch import next_power_of_2
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
 
 _REDUCTIONS = ("mean", "sum", "none")
-# The longest chunk of a row one step of the walk covers. 32k logits keep ~32 values per thread at
-# 32 warps: enough bytes in flight per SM to saturate HBM, few enough registers to avoid spilling.
-# Tests lower it so the multi-chunk path runs at small vocabularies.
-MAX_FUSED_BLOCK = 32768
+# The longest chunk of a row one step of the walk covers (tests lower it so the multi-chunk path runs
+# at small vocabularies). Measured at 8192 x 128256 bf16 (scripts/tune-kernels --only cross_entropy,
+# benchmarks/results/2026-11-30-h200/kernels-tuned): the loss alone, one read of each row, is fastest
+# with 8192-logit chunks over 4 warps (97% of the copy bandwidth; 32768 over 32 warps reached 63%:
+# with two such programs an SM, the block-wide reductions of each chunk leave its loads idle). Loss
+# and gradient walk each row twice and are fastest with chunks half as long over 8 warps.
+MAX_FUSED_BLOCK = 8192
 
 
 @triton.jit
@@ -114,10 +117,11 @@ def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_c
             tl.store(grad_row + offs, (g * factor).to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
-def _launch_config(n_vocab: int) -> tuple[int, int]:
-    chunk = min(MAX_FUSED_BLOCK, next_power_of_2(n_vocab))
-    num_warps = max(4, min(32, chunk // 1024))
-    return chunk, num_warps
+def _launch_config(n_vocab: int, writes: bool) -> tuple[int, int]:
+    """(chunk, warps) of a walk that only reads the logits, or also writes a row of the same length."""
+    if writes:
+        return min(max(1, MAX_FUSED_BLOCK // 2), next_power_of_2(n_vocab)), 8
+    return min(MAX_FUSED_BLOCK, next_power_of_2(n_vocab)), 4
 
 
 def _check_inputs(logits, target, ignore_index, reduction, label_smoothing) -> None:
@@ -152,7 +156,7 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
     n_valid = (target != ignore_index).sum() if reduction == "mean" else None
 
     if n_rows > 0:
-        chunk, num_warps = _launch_config(n_vocab)
+        chunk, num_warps = _launch_config(n_vocab, write_grad)
         _cross_entropy_kernel[(n_rows,)](
             logits, logits.stride(0),
             target, target.stride(0),
@@ -182,7 +186,7 @@ def _scale_rows_(grad: torch.Tensor, factor: torch.Tensor) -> None:
     if n_rows == 0:
         return
     factor_stride = factor.stride(0) if factor.dim() == 1 else 0
-    chunk, num_warps = _launch_config(n_cols)
+    chunk, num_warps = _launch_config(n_cols, writes=True)
     _scale_rows_kernel[(n_rows,)](grad, grad.stride(0), factor, factor_stride, n_cols, CHUNK=chunk, num_warps=num_warps)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuselab.kernels._flash_backward import flash_backward
 from fuselab.kernels._flash_common import (
@@ -29,6 +30,7 @@ from fuselab.kernels._flash_common import (
     resolve_scale,
     row_strides,
     sequence_span,
+    tma_forward_config,
 )
 from fuselab.kernels._launch import cdiv
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
@@ -84,6 +86,83 @@ def _attend_keys(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_keys_tma(
+    acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, lo, hi, seq_k, qk_scale,
+    STAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """`_attend_keys` with K and V tiles loaded through TMA descriptors over [batch · kv_heads, seq,
+    head_dim]: rows past seq_k arrive as zeros, and are masked like the pointer path's."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        keys = start_n + offs_n
+        k = k_desc.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if STAGE == _FULL:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_new[:, None]
+        else:
+            if STAGE == _DIAGONAL:
+                keep = (offs_m[:, None] >= keys[None, :]) & (keys < seq_k)[None, :]
+            else:
+                keep = (keys < seq_k)[None, :]
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_forward_tma_kernel(
+    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, num_heads, group_size, seq_q, seq_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_flash_forward_kernel` for contiguous [batch, heads, seq, head_dim] tensors whose head dim is a
+    power of two, every tile moved through a TMA descriptor over [batch · heads, seq, head_dim]."""
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    kv_bh = batch * (num_heads // group_size) + head // group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = q_desc.load([pid_bh, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, 0, start_m, seq_k, qk_scale,
+                                         _FULL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m,
+                                         start_m, tl.minimum(start_m + BLOCK_M, seq_k), seq_k, qk_scale,
+                                         _DIAGONAL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+    else:
+        full_end = seq_k - seq_k % BLOCK_N
+        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, 0, full_end, seq_k, qk_scale,
+                                         _FULL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, full_end, seq_k, seq_k,
+                                         qk_scale, _TAIL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+
+    row_ok = offs_m < seq_q
+    tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m,
+             m_i + tl.math.log2(l_i), mask=row_ok)
+    out = acc / l_i[:, None]
+    # Rows past seq_q fall outside the descriptor's bounds: the store leaves them out.
+    o_desc.store([pid_bh, start_m, 0], out.to(q.dtype).reshape(1, BLOCK_M, HEAD_DIM))
 
 
 @triton.jit
@@ -151,6 +230,14 @@ def _flash_forward_kernel(
 # Host launcher
 # --------------------------------------------------------------------------------------------
 
+def _tma_layout(q, k, v, out, varlen: bool) -> bool:
+    """Padded, contiguous, 16-byte aligned [batch, heads, seq, head_dim] bf16/fp16 tensors with a
+    power-of-two head dim: what a TMA descriptor can describe, in the dtypes its tiles were sized for."""
+    head_dim = q.shape[-1]
+    return (not varlen and q.element_size() == 2 and head_dim == padded_head_dim(head_dim) and head_dim >= 8
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out)))
+
+
 def flash_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,6 +259,20 @@ def flash_forward(
         batch, seq_q, seq_k = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
+    tma_cfg = tma_forward_config(head_dim, causal) if _tma_layout(q, k, v, out, varlen) else None
+    if tma_cfg is not None:
+        cfg = tma_cfg
+        grid = (cdiv(seq_q, cfg.block_m), batch * heads)
+
+        def desc(t, rows):
+            return TensorDescriptor.from_tensor(t.view(-1, t.shape[2], head_dim), [1, rows, head_dim])
+        _flash_forward_tma_kernel[grid](
+            desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, cfg.block_m), lse,
+            stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
+            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out, lse
     cfg = forward_config(head_dim)
     grid = (cdiv(seq_q, cfg.block_m), batch * heads)
     _flash_forward_kernel[grid](
