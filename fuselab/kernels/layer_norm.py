@@ -216,12 +216,17 @@ def layer_norm_forward(
         return y, h, mean, rstd
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _layer_norm_forward_looped_kernel if config.looped else _layer_norm_forward_kernel
+    # Two block-wide reductions a row (mean, then variance) cost less over fewer warps: from 8192
+    # elements a block, 64 a thread. At 16384 x 8192 bf16, 4 warps ran at 93.5% of the copy
+    # bandwidth, 16 (the row ops' default) at 85% (scripts/tune-kernels --only layer_norm,
+    # benchmarks/results/2026-11-30-h200/kernels-tuned).
+    num_warps = config.num_warps if config.block < 8192 else config.block // 2048
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
     kernel[(n_rows,)](
         x, x if residual is None else residual, weight, x if bias is None else bias, y, x if h is None else h,
         y if mean is None else mean, y if rstd is None else rstd, n_cols, eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=activation, STORE_STATS=save_stats,
-        BLOCK=config.block, num_warps=config.num_warps,
+        BLOCK=config.block, num_warps=num_warps,
     )
     return y, h, mean, rstd
 
