@@ -46,6 +46,40 @@ _TAIL = tl.constexpr(2)  # the last, partial key block of non-causal attention: 
 
 
 @triton.jit
+def _program_block(num_heads, CAUSAL: tl.constexpr):
+    """(query block, batch · heads index, batch, head) of this program. Grid: (query blocks, batch ·
+    heads). Causal programs differ in cost by their row, so the costliest (last) query blocks are
+    launched first and the cheap ones fill the tail."""
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    return pid_m, pid_bh, pid_bh // num_heads, pid_bh % num_heads
+
+
+@triton.jit
+def _softmax_step(qk, m_i, l_i, offs_m, keys, key_ok, qk_scale, STAGE: tl.constexpr):
+    """One key block's scores into the online softmax: (p, rescale of the running sums, row sum, row max)."""
+    # Every row sees at least one key in the first block it processes, so m_new is finite.
+    if STAGE == _FULL:
+        # Scale and shift in one multiply-add per score: the softmax, not the dots, bounds this loop.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        qk = qk * qk_scale - m_new[:, None]
+    else:
+        if STAGE == _DIAGONAL:
+            keep = (offs_m[:, None] >= keys[None, :]) & key_ok[None, :]
+        else:
+            keep = key_ok[None, :]
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk = qk - m_new[:, None]
+    p = tl.math.exp2(qk)
+    alpha = tl.math.exp2(m_i - m_new)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
 def _attend_keys(
     acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi, seq_k, qk_scale,
     STAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -66,22 +100,7 @@ def _attend_keys(
         key_ok = keys < seq_k
         kT = load_tile(kT_ptrs + start_n * stride_ks, key_ok[None, :], d_row, CHECK_KEYS, PAD_D)
         qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
-        # Every row sees at least one key in the first block it processes, so m_new is finite.
-        if STAGE == _FULL:
-            # Scale and shift in one multiply-add per score: the softmax, not the dots, bounds this loop.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]
-        else:
-            if STAGE == _DIAGONAL:
-                keep = (offs_m[:, None] >= keys[None, :]) & key_ok[None, :]
-            else:
-                keep = key_ok[None, :]
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            qk = qk - m_new[:, None]
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(qk, m_i, l_i, offs_m, keys, key_ok, qk_scale, STAGE)
         v = load_tile(v_ptrs + start_n * stride_vs, key_ok[:, None], d_col, CHECK_KEYS, PAD_D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -101,20 +120,7 @@ def _attend_keys_tma(
         keys = start_n + offs_n
         k = k_desc.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if STAGE == _FULL:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]
-        else:
-            if STAGE == _DIAGONAL:
-                keep = (offs_m[:, None] >= keys[None, :]) & (keys < seq_k)[None, :]
-            else:
-                keep = (keys < seq_k)[None, :]
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            qk = qk - m_new[:, None]
-        p = tl.math.exp2(qk)
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(qk, m_i, l_i, offs_m, keys, keys < seq_k, qk_scale, STAGE)
         v = v_desc.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -129,13 +135,7 @@ def _flash_forward_tma_kernel(
 ):
     """`_flash_forward_kernel` for contiguous [batch, heads, seq, head_dim] tensors whose head dim is a
     power of two, every tile moved through a TMA descriptor over [batch · heads, seq, head_dim]."""
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_m, pid_bh, batch, head = _program_block(num_heads, CAUSAL)
     kv_bh = batch * (num_heads // group_size) + head // group_size
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -174,15 +174,7 @@ def _flash_forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Grid: (query blocks, batch · heads). Causal programs differ in cost by their row, so the
-    # costliest (last) query blocks are launched first and the cheap ones fill the tail.
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    pid_m, _, batch, head = _program_block(num_heads, CAUSAL)
     kv_head = head // group_size
     first_row, seq_q, seq_k = sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN)
     start_m = pid_m * BLOCK_M
