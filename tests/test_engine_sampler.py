@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,6 +93,21 @@ def test_a_seed_draws_the_same_tokens_in_any_batch():
     assert together[0] == alone[0] == together[3]
     other_step = Sampler()(logits[:1].repeat(64, 1), _batch([seeded] * 64, [11] * 64, steps=list(range(64))))
     assert len(set(other_step.tolist())) > 1  # each output step draws fresh noise
+
+
+def test_rows_without_top_k_or_top_p_skip_the_sort_and_draw_the_same_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000)
+    params = [SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0, 0)] * 16
+    batch = _batch(params, list(range(64)), steps=list(range(64)))
+    assert not batch.any_filter
+    unsorted = Sampler()(logits, batch)
+    # The same rows through the sorted path (as in a batch where another row has a filter).
+    sorted_path = Sampler()(logits, dataclasses.replace(batch, any_filter=True))
+    assert unsorted.tolist() == sorted_path.tolist()
+    assert len(set(unsorted.tolist())) > 30  # sampled, not greedy
+    assert _batch([SamplingParams(temperature=1.0, top_p=0.5)], [0]).any_filter
+    assert not _batch([SamplingParams(temperature=0, top_k=5)], [0]).any_filter  # greedy rows filter nothing
 
 
 def test_top_k_one_is_greedy():

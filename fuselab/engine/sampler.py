@@ -56,7 +56,8 @@ def top_k_top_p_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters on the device; `all_greedy` is known on the host and skips sampling."""
+    """Per-row sampling parameters on the device. Known on the host: `all_greedy` skips sampling,
+    `any_filter` (a sampled row with top-k or top-p) asks for the vocabulary sorted."""
 
     temperature: torch.Tensor  # [B] float32; 1 on greedy rows, which take the argmax instead
     greedy: torch.Tensor  # [B] bool
@@ -65,6 +66,7 @@ class SamplingBatch:
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: the index of the token being drawn in the request's output
     all_greedy: bool
+    any_filter: bool
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], device: torch.device) -> "SamplingBatch":
@@ -80,7 +82,8 @@ class SamplingBatch:
             steps=torch.tensor([s.num_tokens - s.num_prompt_tokens for s in seqs], dtype=torch.int64, pin_memory=pin),
         )
         on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}
-        return cls(**on_device, all_greedy=all(p.greedy for p in params))
+        return cls(**on_device, all_greedy=all(p.greedy for p in params),
+                   any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
 
 
 class Sampler:
@@ -90,6 +93,12 @@ class Sampler:
         if batch.all_greedy:
             return greedy_tokens
         scaled = logits.float() / batch.temperature[:, None]
+        if not batch.any_filter:
+            # Every token a candidate: no sort. The noise is keyed by token id, so a row draws what
+            # the sorted path below would draw for it.
+            token_ids = torch.arange(logits.shape[-1], device=logits.device).expand(logits.shape)
+            sampled = (scaled + gumbel_noise(batch.seeds, batch.steps, token_ids)).argmax(dim=-1)
+            return torch.where(batch.greedy, greedy_tokens, sampled)
         # Stable, so that tied logits keep one order and a seed one outcome.
         sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
         keep = top_k_top_p_mask(sorted_logits, batch.top_k, batch.top_p)
