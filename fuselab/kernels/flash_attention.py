@@ -251,8 +251,8 @@ def flash_forward(
         batch, seq_q, seq_k = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
-    tma_cfg = tma_forward_config(head_dim, causal) if _tma_layout(q, k, v, out, varlen) else None
-    if tma_cfg is not None:
+    tma_cfg = tma_forward_config(head_dim, causal)
+    if tma_cfg is not None and _tma_layout(q, k, v, out, varlen):
         cfg = tma_cfg
         grid = (cdiv(seq_q, cfg.block_m), batch * heads)
 
