@@ -39,6 +39,16 @@ def test_greedy_tokens_match_transformers_eager(checkpoints, arch):
     assert all(o.finish_reason == "length" for o in outputs)
 
 
+def test_cublas_only_projections_are_stored_in_major(checkpoints):
+    # gate/up and an untied lm_head are stored [in, out] (W transposed, x · Wᵀ reads it row-major);
+    # the loader's row slices of the merged gate/up write into that layout, as the tokens above show.
+    _, path = checkpoints["qwen2"]
+    model = LLM(path, mode="eager", dtype="float32").model
+    for weight in (model.lm_head.weight, model.model.layers[0].mlp.gate_up_proj.weight):
+        assert weight.stride() == (1, weight.shape[0])
+    assert model.model.layers[0].self_attn.qkv_proj.weight.is_contiguous()  # the GEMV reads rows
+
+
 @pytest.mark.filterwarnings("ignore:mode 'fused' on the CPU")
 def test_greedy_tokens_match_transformers_fused(checkpoints):
     # Triton's interpreter is slow: a short run of the Llama 3 case (GQA, rope scaling).
