@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import column_grid, use_pdl
+from fuselab.kernels._launch import cdiv, next_power_of_2, use_pdl
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -21,12 +21,19 @@ from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, che
 
 
 @triton.jit
+def _row_and_columns(n_cols, BLOCK: tl.constexpr):
+    """(row, its columns) of this program on a 1-D grid of rows x column blocks, in memory order."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(n_cols, BLOCK)
+    return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # Grid: (rows, blocks of columns); rows on axis 0, which allows 2³¹ programs.
+    # One program per (row, block of columns), numbered in memory order: a row's blocks, then the next row's.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = _row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + up_offset + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -53,8 +60,7 @@ def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.con
 
 @triton.jit
 def _swiglu_backward_kernel(DY, G, U, DG, DU, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = _row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     in_offs = row * in_row_stride + cols
     dy = tl.load(DY + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -83,16 +89,21 @@ def _swiglu_flat_backward_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
 # Host launchers
 # --------------------------------------------------------------------------------------------
 
-# 4096 columns per program with 8 warps: measured on an H200 (scripts/tune-kernels, bf16 forward),
-# 98% of the copy bandwidth at 16384 x 14336 and 93% at 4096 x 14336, against 97.6% and 92.4% for
-# 1024 x 4 warps; 8192 columns needs 16 warps to match and loses at smaller sizes.
-_MAX_BLOCK = 4096
-_NUM_WARPS = 8
 # Separate contiguous gate and up are one flat array: 2048 elements a program, programs in memory
-# order, int32 offsets. 16384 x 14336 bf16: 326 us (102% of copy) against 339 us (98%) for the row
-# and column grid; 4096 x 14336: 86.6 vs 89.9 us (scripts/tune-kernels --only swiglu_flat,
-# benchmarks/results/2026-11-30-h200/swiglu-flat).
+# order, int32 offsets. 16384 x 14336 bf16: 326 us (102% of copy) against 339 us (98%) for the
+# (rows, column blocks) grid of 4096-column programs; 4096 x 14336: 86.6 vs 89.9 us
+# (scripts/tune-kernels --only swiglu_flat, benchmarks/results/2026-11-30-h200/swiglu-flat).
+# [gate | up] halves of one tensor (silu_and_mul) take the same 2048-element programs, numbered in
+# memory order, each within one row.
 _FLAT_BLOCK = 2048
+_MAX_BLOCK = 2048
+_NUM_WARPS = 8
+
+
+def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int]:
+    """((programs,), columns per program) for rows cut into blocks of at most _MAX_BLOCK columns."""
+    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    return (n_rows * cdiv(n_cols, block),), block
 
 
 def _flat(n: int, in_row_stride: int, n_cols: int, up_offset: int) -> bool:
@@ -113,7 +124,7 @@ def swiglu_forward(
         _swiglu_flat_forward_kernel[(triton.cdiv(out.numel(), _FLAT_BLOCK),)](
             gate, up, out, out.numel(), BLOCK=_FLAT_BLOCK, USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
         return out
-    grid, block = column_grid(out.numel() // n_cols, n_cols, _MAX_BLOCK)
+    grid, block = _grid(out.numel() // n_cols, n_cols)
     _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
                                  num_warps=_NUM_WARPS, launch_pdl=pdl)
     return out
@@ -136,7 +147,7 @@ def swiglu_backward(
         _swiglu_flat_backward_kernel[(triton.cdiv(dy.numel(), _FLAT_BLOCK),)](
             dy, gate, up, dgate, dup, dy.numel(), BLOCK=_FLAT_BLOCK, num_warps=_NUM_WARPS)
         return
-    grid, block = column_grid(dy.numel() // n_cols, n_cols, _MAX_BLOCK)
+    grid, block = _grid(dy.numel() // n_cols, n_cols)
     _swiglu_backward_kernel[grid](
         dy, gate, up, dgate, dup, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS
     )
