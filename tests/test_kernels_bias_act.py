@@ -57,6 +57,20 @@ def test_backward_matches_autograd_of_reference(device, activation):
     assert_close(bk.grad, br.grad, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_sums_dbias_over_bands_of_rows_and_blocks_of_columns(device, dtype):
+    # 21 rows: bands of the backward's rows per program with a partial last one; 5003 columns: two
+    # blocks of columns, the second partial.
+    x, dy = _randn((3, 7, 5003), dtype, device, 0), _randn((3, 7, 5003), dtype, device, 2)
+    bias = _randn((5003,), dtype, device, 1)
+    xk, bk = x.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    bias_act(xk, bk, "gelu").backward(dy)
+    xr, br = leaf(x), leaf(bias)
+    reference.bias_act(xr, br, "gelu").backward(dy.double())
+    assert_close(xk.grad, xr.grad, dtype)
+    assert_close(bk.grad, br.grad, dtype, scale=4)
+
+
 def test_half_input_with_fp32_bias(device):
     x, bias = _randn((4, 64), torch.bfloat16, device), _randn((64,), torch.float32, device, 1)
     out = bias_act(x, bias, "silu")

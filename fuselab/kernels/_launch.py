@@ -1,5 +1,5 @@
-"""What kernel launchers share on the host: integer helpers, the SM count, and whether a launch
-uses programmatic dependent launch.
+"""What kernel launchers share: integer helpers, the SM count, the grid of row-block elementwise
+kernels, and whether a launch uses programmatic dependent launch.
 
 Triton's own `triton.cdiv` and `triton.next_power_of_2` are constexpr functions: called from host
 code, each goes through a wrapper that unwraps its arguments first, a few µs a call. A launcher
@@ -12,6 +12,8 @@ import os
 from collections.abc import Iterator
 
 import torch
+import triton
+import triton.language as tl
 
 from fuselab.device import triton_interpreted
 
@@ -34,10 +36,22 @@ def next_power_of_2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def column_grid(n_rows: int, n_cols: int, max_block: int) -> tuple[tuple[int, int], int]:
-    """((rows, column blocks), block) for an elementwise kernel over rows cut into blocks of at most max_block."""
+def row_block_grid(n_rows: int, n_cols: int, max_block: int) -> tuple[tuple[int], int]:
+    """((programs,), block) for an elementwise kernel over rows cut into blocks of at most max_block
+    columns, one program a (row, block), numbered in memory order (`row_and_columns`)."""
     block = min(max_block, next_power_of_2(n_cols))
-    return (n_rows, cdiv(n_cols, block)), block
+    return (n_rows * cdiv(n_cols, block),), block
+
+
+@triton.jit
+def row_and_columns(n_cols, BLOCK: tl.constexpr):
+    """(row, its columns) of this program on a `row_block_grid`: a row's blocks, then the next row's.
+    Programs that run together read neighbouring memory: at 16384 x 28672 bf16, silu_and_mul went from
+    340.8 to 325.8 us (97% -> 102% of copy) against a (rows, column blocks) grid, which reads every
+    row's first block before any second one (benchmarks/results/2026-11-30-h200/swiglu-flat)."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(n_cols, BLOCK)
+    return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
 
 
 @functools.cache

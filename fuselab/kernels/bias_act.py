@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._launch import column_grid
-from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
+from fuselab.kernels._launch import cdiv, next_power_of_2, row_and_columns, row_block_grid
+from fuselab.kernels._validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -22,9 +22,7 @@ from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, che
 
 @triton.jit
 def _bias_act_forward_kernel(X, BIAS, Y, n_cols, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-    # Grid: (rows, blocks of columns); a program's columns share one slice of the bias.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     offs = row * n_cols + cols
     z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
@@ -32,14 +30,29 @@ def _bias_act_forward_kernel(X, BIAS, Y, n_cols, ACTIVATION: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _bias_act_backward_kernel(DY, X, BIAS, DX, n_cols, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    offs = row * n_cols + cols
-    z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + offs, (dy * activate_grad(z, ACTIVATION)).to(DX.dtype.element_ty), mask=mask)
+def _bias_act_backward_kernel(
+    DY, X, BIAS, DX, DBIAS_PARTIAL, n_rows, n_cols, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # One program per (band of ROWS rows, block of columns), in memory order. It sums its dx over
+    # the band in fp32, one row of DBIAS_PARTIAL per band, so dbias needs no second read of dx.
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(n_cols, BLOCK)
+    band = pid // col_blocks
+    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < n_cols
+    bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dbias = tl.zeros([BLOCK], dtype=tl.float32)
+    first = band.to(tl.int64) * ROWS
+    for i in range(ROWS):
+        mask = cols < tl.where(first + i < n_rows, n_cols, 0)  # rows past the end: no columns
+        offs = (first + i) * n_cols + cols
+        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + bias
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        dx = dy * activate_grad(z, ACTIVATION)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        dbias += tl.where(mask, dx, 0.0)
+    tl.store(DBIAS_PARTIAL + band.to(tl.int64) * n_cols + cols, dbias, mask=col_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,6 +64,8 @@ def _bias_act_backward_kernel(DY, X, BIAS, DX, n_cols, ACTIVATION: tl.constexpr,
 # with 1024 (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/kernels-tuned).
 _MAX_BLOCK = 4096
 _NUM_WARPS = 4
+# Rows a backward program sums dbias over: its partial sums are n_rows / ROWS rows of fp32.
+_BACKWARD_ROWS = 4 if INTERPRETED else 32
 
 
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
@@ -58,7 +73,7 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> to
     if x.numel() == 0:
         return y
     n_cols = x.shape[-1]
-    grid, block = column_grid(x.numel() // n_cols, n_cols, _MAX_BLOCK)
+    grid, block = row_block_grid(x.numel() // n_cols, n_cols, _MAX_BLOCK)
     _bias_act_forward_kernel[grid](x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
     return y
 
@@ -71,9 +86,15 @@ def bias_act_backward(
     if x.numel() == 0:
         return dx, torch.zeros_like(bias)
     n_cols = x.shape[-1]
-    grid, block = column_grid(x.numel() // n_cols, n_cols, _MAX_BLOCK)
-    _bias_act_backward_kernel[grid](dy, x, bias, dx, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
-    return dx, dx.view(-1, n_cols).sum(dim=0, dtype=torch.float32).to(bias.dtype)
+    n_rows = x.numel() // n_cols
+    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
+    bands = cdiv(n_rows, _BACKWARD_ROWS)
+    dbias_partial = torch.empty(bands, n_cols, device=x.device, dtype=torch.float32)
+    _bias_act_backward_kernel[(bands * cdiv(n_cols, block),)](
+        dy, x, bias, dx, dbias_partial, n_rows, n_cols, ACTIVATION=activation, BLOCK=block, ROWS=_BACKWARD_ROWS,
+        num_warps=_NUM_WARPS,
+    )
+    return dx, dbias_partial.sum(dim=0).to(bias.dtype)
 
 
 # --------------------------------------------------------------------------------------------

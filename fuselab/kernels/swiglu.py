@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, use_pdl
+from fuselab.kernels._launch import row_and_columns, row_block_grid, use_pdl
 from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -21,19 +21,10 @@ from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, che
 
 
 @triton.jit
-def _row_and_columns(n_cols, BLOCK: tl.constexpr):
-    """(row, its columns) of this program on a 1-D grid of rows x column blocks, in memory order."""
-    pid = tl.program_id(0)
-    blocks = tl.cdiv(n_cols, BLOCK)
-    return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
-
-
-@triton.jit
 def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    # One program per (row, block of columns), numbered in memory order: a row's blocks, then the next row's.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-    row, cols = _row_and_columns(n_cols, BLOCK)
+    row, cols = row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + up_offset + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -60,7 +51,7 @@ def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.con
 
 @triton.jit
 def _swiglu_backward_kernel(DY, G, U, DG, DU, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr):
-    row, cols = _row_and_columns(n_cols, BLOCK)
+    row, cols = row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     in_offs = row * in_row_stride + cols
     dy = tl.load(DY + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
@@ -100,12 +91,6 @@ _MAX_BLOCK = 2048
 _NUM_WARPS = 8
 
 
-def _grid(n_rows: int, n_cols: int) -> tuple[tuple[int], int]:
-    """((programs,), columns per program) for rows cut into blocks of at most _MAX_BLOCK columns."""
-    block = min(_MAX_BLOCK, next_power_of_2(n_cols))
-    return (n_rows * cdiv(n_cols, block),), block
-
-
 def _flat(n: int, in_row_stride: int, n_cols: int, up_offset: int) -> bool:
     """Whether gate, up and out are one flat array each (rows back to back) that int32 offsets reach."""
     return in_row_stride == n_cols and up_offset == 0 and n < 2**31
@@ -124,7 +109,7 @@ def swiglu_forward(
         _swiglu_flat_forward_kernel[(triton.cdiv(out.numel(), _FLAT_BLOCK),)](
             gate, up, out, out.numel(), BLOCK=_FLAT_BLOCK, USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
         return out
-    grid, block = _grid(out.numel() // n_cols, n_cols)
+    grid, block = row_block_grid(out.numel() // n_cols, n_cols, _MAX_BLOCK)
     _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
                                  num_warps=_NUM_WARPS, launch_pdl=pdl)
     return out
@@ -147,7 +132,7 @@ def swiglu_backward(
         _swiglu_flat_backward_kernel[(triton.cdiv(dy.numel(), _FLAT_BLOCK),)](
             dy, gate, up, dgate, dup, dy.numel(), BLOCK=_FLAT_BLOCK, num_warps=_NUM_WARPS)
         return
-    grid, block = _grid(dy.numel() // n_cols, n_cols)
+    grid, block = row_block_grid(dy.numel() // n_cols, n_cols, _MAX_BLOCK)
     _swiglu_backward_kernel[grid](
         dy, gate, up, dgate, dup, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS
     )
