@@ -60,8 +60,8 @@ def _bias_act_backward_kernel(
 # --------------------------------------------------------------------------------------------
 
 # 4096 columns per program with 4 warps, four 16-byte loads per thread for 16-bit dtypes: at 16384 x
-# 8192 bf16, 74% of the copy bandwidth under the exact GELU and 93% under relu, against 68% and 92%
-# with 1024 (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/kernels-tuned).
+# 8192 bf16, 73% of the copy bandwidth under the exact GELU (bound by its arithmetic) and 96% under
+# relu; 1024 columns: 62% and 99% (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/bias-act-grid).
 _MAX_BLOCK = 4096
 _NUM_WARPS = 4
 # The backward: 2048 columns by bands of 16 rows over 4 warps (dbias partials: n_rows / 16 rows of
