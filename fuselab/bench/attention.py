@@ -227,12 +227,9 @@ def forward_candidates() -> list:
 def tma_forward_candidates() -> list:
     from fuselab.kernels._flash_common import ForwardConfig
 
-    # 256-row tiles over four warpgroups share each K/V tile among twice the rows (fits at d=128:
-    # a 64 KiB q tile plus two or three stages of K and V).
     return [ForwardConfig(m, n, w, s) for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
                                                          (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
-                                                         (128, 64, 8, 4), (256, 64, 16, 2), (256, 64, 16, 3),
-                                                         (256, 128, 16, 2))]
+                                                         (128, 64, 8, 4))]
 
 
 def decode_candidates() -> list:
