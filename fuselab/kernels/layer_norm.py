@@ -248,7 +248,11 @@ def layer_norm_backward(
         return dx, torch.zeros_like(weight), None if bias is None else torch.zeros_like(bias)
     n_rows = x.numel() // n_cols
     config = row_config(n_cols, MAX_FUSED_BLOCK)
-    n_programs, rows_per_program = row_groups(n_rows, config.num_warps, x.device)
+    # 8 warps, not 16, for 8192-wide blocks (32 elements a thread): at 16384 x 8192 bf16 the kernel
+    # took 284.7 us against 320.8 (319.8 in an earlier sweep) with 16; other widths are unmeasured
+    # (scripts/tune-kernels --only layer_norm; benchmarks/results/2026-11-30-h200/kernels-tuned, tune.json).
+    num_warps = 8 if config.block == 8192 else config.num_warps
+    n_programs, rows_per_program = row_groups(n_rows, num_warps, x.device)
     make_partial = torch.zeros if config.looped else torch.empty
     dw_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
@@ -257,7 +261,7 @@ def layer_norm_backward(
         dy, x, weight, x if bias is None else bias, mean, rstd, dy if dh is None else dh, dx, dw_partial, db_partial,
         n_rows, n_cols, rows_per_program,
         HAS_BIAS=bias is not None, HAS_DH=dh is not None, ACTIVATION=activation,
-        BLOCK=config.block, num_warps=config.num_warps,
+        BLOCK=config.block, num_warps=num_warps,
     )
     db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
     return dx, dw_partial.sum(dim=0).to(weight.dtype), db
