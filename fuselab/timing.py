@@ -240,7 +240,7 @@ class BenchResult:
     max_us: float
     quantiles_us: dict[float, float]
     reps: int
-    mode: str  # "cuda-events", "cuda-graph" or "wall-clock"
+    mode: str  # "cuda-events", "cuda-events, host ahead", "cuda-graph" or "wall-clock"
     flush_l2: bool
     samples_us: list[float] = field(default_factory=list, repr=False)
 
@@ -287,13 +287,50 @@ def _reps_for(estimate_ms: float, budget_ms: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, budget_ms / max(estimate_ms, 1e-6))))
 
 
-def _bench_events(fn, warmup_ms, rep_ms, min_reps, max_reps, flush_l2) -> list[float]:
+_sleep_cycles_per_us: dict[int, float] = {}
+
+
+def _sleep_rate() -> float:
+    """Cycles per µs of torch.cuda._sleep's spin loop on the current device, measured once."""
+    dev = torch.cuda.current_device()
+    if dev not in _sleep_cycles_per_us:
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_us[dev] = cycles / (start.elapsed_time(end) * 1e3)
+    return _sleep_cycles_per_us[dev]
+
+
+def _host_issue_us(fn, calls: int = 5) -> float:
+    """Wall time the host takes to issue one call of fn, the GPU idle and nothing synced inside."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _bench_events(fn, warmup_ms, rep_ms, min_reps, max_reps, flush_l2, host_ahead=False) -> list[float]:
+    # host_ahead: a spin kernel, twice as long as the host takes to issue fn, runs before each timed
+    # call, so all of fn's launches are queued when the GPU reaches the start event.
+    sleep_us = 2 * _host_issue_us(fn) + 20 if host_ahead else 0.0
+    sleep_cycles = int(sleep_us * _sleep_rate()) if host_ahead else 0
+
     def timed(n: int) -> list[float]:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for s, e in zip(starts, ends):
             if flush_l2:
                 _flush_l2()  # outside the events: its time is not counted
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
             s.record()
             fn()
             e.record()
@@ -303,7 +340,8 @@ def _bench_events(fn, warmup_ms, rep_ms, min_reps, max_reps, flush_l2) -> list[f
     estimate_ms = statistics.median(timed(5)) / 1e3
     for _ in range(_reps_for(estimate_ms, warmup_ms, 1, max_reps)):
         fn()
-    return timed(_reps_for(estimate_ms, rep_ms, min_reps, max_reps))
+    # The spin kernels take GPU time too: they count against the time budget.
+    return timed(_reps_for(estimate_ms + sleep_us / 1e3, rep_ms, min_reps, max_reps))
 
 
 def _bench_graph(fn, warmup_ms, rep_ms, min_reps, max_reps) -> list[float]:
@@ -376,6 +414,7 @@ def bench(
     quantiles: tuple[float, ...] = (0.2, 0.5, 0.8),
     flush_l2: bool = True,
     cuda_graph: bool = False,
+    host_ahead: bool = False,
     min_reps: int = 10,
     max_reps: int = 10_000,
     device: str | torch.device | None = None,
@@ -387,8 +426,11 @@ def bench(
     events; with `flush_l2` the L2 cache is overwritten between repetitions (outside the timed
     region), so memory-bound kernels are timed from HBM. With `cuda_graph=True`, calls are captured
     into a CUDA graph and replayed, which removes launch overhead from the figure:
-    eager time - graph time = what launching cost. Without CUDA (or with `device="cpu"`), it times
-    with the host clock and says so (`result.mode == "wall-clock"`).
+    eager time - graph time = what launching cost. With `host_ahead=True`, the GPU is kept busy
+    while the host issues each call (a spin kernel before the start event), so the figure is the
+    time of fn's kernels alone even where issuing them costs the host more than they take: what fn
+    costs in a step whose host runs ahead of the GPU, L2 still flushed. Without CUDA (or with
+    `device="cpu"`), it times with the host clock and says so (`result.mode == "wall-clock"`).
     """
     if not callable(fn):
         raise TypeError(f"fn must be a callable taking no arguments, got {type(fn).__name__}")
@@ -398,6 +440,8 @@ def bench(
         raise ValueError(f"rep_ms must be > 0, got {rep_ms}")
     if not quantiles or any(not (0.0 <= q <= 1.0) for q in quantiles):
         raise ValueError(f"quantiles must be a non-empty sequence of values in [0, 1], got {quantiles}")
+    if cuda_graph and host_ahead:
+        raise ValueError("host_ahead=True has no use with cuda_graph=True: a graph replay already leaves the host out")
     if not (1 <= min_reps <= max_reps):
         raise ValueError(f"need 1 <= min_reps <= max_reps, got min_reps={min_reps}, max_reps={max_reps}")
 
@@ -416,4 +460,5 @@ def bench(
     if cuda_graph:
         # Flushing between calls cannot happen inside one replay, so graph mode times warm-cache calls.
         return _result(_bench_graph(fn, warmup_ms, rep_ms, min_reps, max_reps), quantiles, "cuda-graph", False)
-    return _result(_bench_events(fn, warmup_ms, rep_ms, min_reps, max_reps, flush_l2), quantiles, "cuda-events", flush_l2)
+    mode = "cuda-events, host ahead" if host_ahead else "cuda-events"
+    return _result(_bench_events(fn, warmup_ms, rep_ms, min_reps, max_reps, flush_l2, host_ahead), quantiles, mode, flush_l2)

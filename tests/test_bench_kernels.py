@@ -64,3 +64,20 @@ def test_tables_show_each_implementation_and_the_speedup(tmp_path: Path):
     bench_kernels.write_markdown(_fake_result(), tmp_path / "kernels.md")
     text = (tmp_path / "kernels.md").read_text()
     assert "GPU: GPU (sm 9.0), torch 2.11, triton 3.6" in text and "| rms_norm | 9.5 |" in text
+
+
+def test_forward_backward_gets_a_second_table_of_gpu_time(tmp_path: Path):
+    result = _fake_result()
+    for impl, us, gpu_us in (("fuselab", 600.0, 300.0), ("torch.compile", 500.0, 450.0)):
+        result["results"].append({
+            "op": "rms_norm", "size": "large", "shape": "16384×8192", "pass": "forward+backward", "impl": impl,
+            "bytes": 1342177280, "median_us": us, "gbs": 1342177280 / us / 1e3, "pct_of_copy": 1342177280 / us / 1e3 / 42.3,
+            "error": None, "gpu_us": gpu_us, "gpu_pct_of_copy": 1342177280 / gpu_us / 1e3 / 42.3,
+        })
+    host_issued = {r[3]: r for r in bench_kernels.table_rows(result)}
+    assert host_issued["forward+backward"][-1] == "0.83×"  # slower as the host issues it...
+    gpu = bench_kernels.table_rows(result, "gpu_us")
+    assert len(gpu) == 1 and gpu[0][3] == "forward+backward"
+    assert gpu[0][5].startswith("300.0 µs") and gpu[0][-1] == "1.50×"  # ...faster on the GPU
+    bench_kernels.write_markdown(result, tmp_path / "kernels.md")
+    assert "host running ahead" in (tmp_path / "kernels.md").read_text()

@@ -68,6 +68,15 @@ def test_many_heads_take_several_head_blocks(device, monkeypatch):
     _check_against_reference(q, k, positions, rope_cos_sin(MAX_POS, 32, device=device), "rotate_half", torch.float32)
 
 
+def test_many_tokens_take_the_narrow_head_tile(device, monkeypatch):
+    # Past _MANY_TOKENS tokens q and k are walked in narrower head blocks: 7 q heads of 16 pairs in blocks of 2.
+    monkeypatch.setattr(rope_module, "_MANY_TOKENS", 4)
+    monkeypatch.setattr(rope_module, "_MANY_TOKENS_TILE_ELEMENTS", 32)
+    q, k, positions = _qk((6,), 7, 5, 32, torch.bfloat16, device)
+    assert rope_module._rope_meta(32, 32, 7, 5, False, False, None, None, True)["BLOCK_Q_HEADS"] == 2
+    _check_against_reference(q, k, positions, rope_cos_sin(MAX_POS, 32, device=device), "rotate_half", torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_backward_matches_autograd_of_reference(device, dtype, layout):

@@ -203,6 +203,27 @@ def test_bench_graph_mode_removes_launch_overhead():
 
 
 @pytest.mark.gpu
+def test_bench_host_ahead_times_the_kernels_not_the_host():
+    """A call whose host side takes 2 ms before one short kernel: event timing sees the 2 ms, host_ahead the kernel."""
+    x = torch.randn(4096, device="cuda")
+
+    def slow_host():
+        time.sleep(0.002)
+        x.add_(1.0)
+
+    plain = bench(slow_host, rep_ms=30)
+    ahead = bench(slow_host, rep_ms=30, host_ahead=True)
+    assert ahead.mode == "cuda-events, host ahead"
+    assert plain.median_us > 1500, plain
+    assert ahead.median_us < 200, ahead
+
+
+def test_bench_host_ahead_refuses_graph_mode():
+    with pytest.raises(ValueError, match="host_ahead"):
+        bench(lambda: None, cuda_graph=True, host_ahead=True)
+
+
+@pytest.mark.gpu
 def test_bench_matches_a_known_memory_bound_time():
     x = torch.randn(256 * 2**20 // 4, device="cuda")
     y = torch.empty_like(x)

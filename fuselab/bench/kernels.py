@@ -1,7 +1,7 @@
 """`fuselab bench kernels`: each fused kernel side by side with what one would run instead.
 
 For every op and size, forward and forward+backward: the median time (CUDA events, L2 flushed
-between calls), the bytes the op must move at the least, the GB/s that makes and its share of the
+between calls; forward+backward also with the host running ahead, the kernels' time alone), the bytes the op must move at the least, the GB/s that makes and its share of the
 copy bandwidth (`fuselab.device.ceilings()`), for fuselab, torch eager (the reference in
 `fuselab.kernels.reference`, written as Hugging Face writes it), torch.compile of that reference,
 and Liger-Kernel where it has the op and is installed. At decode size it also reports the host
@@ -305,9 +305,15 @@ def measure(args: argparse.Namespace) -> dict:
                     record = {"op": op.name, "size": size, "shape": workload.shape, "pass": pass_name, "impl": impl,
                               "bytes": nbytes, "median_us": None, "gbs": None, "pct_of_copy": None, "error": None}
                     try:
-                        us = bench(make_step(fn, workload), warmup_ms=warmup_ms, rep_ms=rep_ms).median_us
+                        step = make_step(fn, workload)
+                        us = bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms).median_us
                         gbs = nbytes / us / 1e3
                         record.update(median_us=us, gbs=gbs, pct_of_copy=100 * gbs / copy_gbs)
+                        if pass_name == "forward+backward":
+                            # The autograd engine's host path can take longer than the kernels it issues;
+                            # this figure leaves it out, as a training step whose host runs ahead does.
+                            gpu_us = bench(step, warmup_ms=warmup_ms, rep_ms=rep_ms, host_ahead=True).median_us
+                            record.update(gpu_us=gpu_us, gpu_pct_of_copy=100 * nbytes / gpu_us / 1e3 / copy_gbs)
                         if size == "decode" and pass_name == "forward":
                             host.append({"op": op.name, "impl": impl, "host_us": host_us_per_call(make_step(fn, workload))})
                     except Exception as err:  # noqa: BLE001 - one failing implementation must not end the run
@@ -323,7 +329,8 @@ def measure(args: argparse.Namespace) -> dict:
         "device": device_info().to_dict(),
         "ceilings": {"copy_bandwidth_gbs": copy_gbs, "source": ceiling.source},
         "config": {"dtype": args.dtype, "quick": args.quick, "compile": not args.no_compile,
-                   "timing": f"median of CUDA-event timings, L2 flushed between calls, {rep_ms:.0f} ms per figure"},
+                   "timing": f"median of CUDA-event timings, L2 flushed between calls, {rep_ms:.0f} ms per figure; "
+                             "forward+backward also with the host running ahead"},
         "results": results,
         "host_us_per_call": host,
     }
@@ -336,26 +343,31 @@ def measure(args: argparse.Namespace) -> dict:
 TABLE_COLUMNS = ("op", "size", "shape", "pass", "MB", *IMPLEMENTATIONS, "speed-up vs best other")
 
 
-def _cell(record: dict | None) -> str:
+def _cell(record: dict | None, field: str) -> str:
     if record is None:
         return "–"
-    if record["error"]:
+    if record["error"] or record.get(field) is None:
         return "error"
-    return f"{record['median_us']:.1f} µs ({record['pct_of_copy']:.0f}%)"
+    pct = record["pct_of_copy" if field == "median_us" else "gpu_pct_of_copy"]
+    return f"{record[field]:.1f} µs ({pct:.0f}%)"
 
 
-def table_rows(result: dict) -> list[list[str]]:
-    """One row per (op, size, pass): each implementation's time and % of copy bandwidth."""
+def table_rows(result: dict, field: str = "median_us") -> list[list[str]]:
+    """One row per (op, size, pass) that has `field`: each implementation's time and % of copy
+    bandwidth. `field` "median_us" is the time as the host issues the call; "gpu_us" (forward+backward
+    only) the time of its kernels with the host running ahead."""
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in result["results"]:
-        by_key.setdefault((r["op"], r["size"], r["shape"], r["pass"], r["bytes"]), {})[r["impl"]] = r
+        if field == "median_us" or r["pass"] == "forward+backward":
+            by_key.setdefault((r["op"], r["size"], r["shape"], r["pass"], r["bytes"]), {})[r["impl"]] = r
     rows = []
     for (op, size, shape, pass_name, nbytes), impls in by_key.items():
         ours = impls.get("fuselab")
-        others = [r["median_us"] for name, r in impls.items() if name != "fuselab" and r["median_us"]]
+        others = [r[field] for name, r in impls.items() if name != "fuselab" and r.get(field)]
         # Above 1: fuselab is faster than every other implementation measured.
-        ratio = f"{min(others) / ours['median_us']:.2f}×" if ours and ours["median_us"] and others else "–"
-        rows.append([op, size, shape, pass_name, f"{nbytes / 1e6:.1f}", *(_cell(impls.get(i)) for i in IMPLEMENTATIONS), ratio])
+        ratio = f"{min(others) / ours[field]:.2f}×" if ours and ours.get(field) and others else "–"
+        rows.append([op, size, shape, pass_name, f"{nbytes / 1e6:.1f}",
+                     *(_cell(impls.get(i), field) for i in IMPLEMENTATIONS), ratio])
     return rows
 
 
@@ -382,6 +394,13 @@ def write_markdown(result: dict, path: Path) -> None:
     lines += ["Time per call (% of the copy bandwidth reached, counting the fewest bytes the op must move); "
               "speed-up: the best other implementation's time over fuselab's.", ""]
     lines += markdown_table(TABLE_COLUMNS, table_rows(result))
+    gpu_rows = table_rows(result, "gpu_us")
+    if gpu_rows:
+        lines += ["", "## Forward+backward with the host running ahead (µs of GPU time)", "",
+                  "The same calls, each timed after a spin kernel that keeps the GPU busy while the host issues it: "
+                  "the time of the kernels alone, which a training step sees when its host runs ahead. Where the table "
+                  "above is slower, the difference is the host's autograd path.", ""]
+        lines += markdown_table(TABLE_COLUMNS, gpu_rows)
     lines += ["", "## Host cost per call at decode size (µs, wall time of the Python call, no sync)", ""]
     lines += markdown_table(("op", *IMPLEMENTATIONS), host_rows(result))
     path.write_text("\n".join(lines) + "\n")
@@ -401,6 +420,13 @@ def print_tables(result: dict) -> None:
     for row in table_rows(result):
         table.add_row(*row)
     console.print(table)
+    gpu = Table(title="forward+backward, µs of GPU time with the host running ahead (% of copy bandwidth)")
+    for col in TABLE_COLUMNS:
+        gpu.add_column(col, justify="left" if col in ("op", "size", "pass") else "right")
+    for row in table_rows(result, "gpu_us"):
+        gpu.add_row(*row)
+    if gpu.row_count:
+        console.print(gpu)
     host = Table(title="host cost per call at decode size, µs (no sync)")
     for col in ("op", *IMPLEMENTATIONS):
         host.add_column(col, justify="left" if col == "op" else "right")

@@ -32,10 +32,11 @@ def _bias_act_forward_kernel(X, BIAS, Y, n_cols, ACTIVATION: tl.constexpr, BLOCK
 @triton.jit
 def _bias_act_backward_kernel(
     DY, X, BIAS, DX, DBIAS_PARTIAL, n_rows, n_cols, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # One program per (band of ROWS rows, block of columns), in memory order. It sums its dx over
     # the band in fp32, one row of DBIAS_PARTIAL per band, so dbias needs no second read of dx.
+    # The loop is pipelined (STAGES rows' loads in flight) so a row's loads do not wait on the last one's math.
     pid = tl.program_id(0)
     col_blocks = tl.cdiv(n_cols, BLOCK)
     band = pid // col_blocks
@@ -44,7 +45,7 @@ def _bias_act_backward_kernel(
     bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
     dbias = tl.zeros([BLOCK], dtype=tl.float32)
     first = band.to(tl.int64) * ROWS
-    for i in range(ROWS):
+    for i in tl.range(ROWS, num_stages=STAGES):
         mask = cols < tl.where(first + i < n_rows, n_cols, 0)  # rows past the end: no columns
         offs = (first + i) * n_cols + cols
         z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + bias
@@ -68,8 +69,11 @@ _NUM_WARPS = 4
 # fp32). 16384 x 8192 bf16, exact GELU: 275 us with the partials' sum, against 346 us at 4096 x 32
 # and 334 us for the kernel before it, which summed dbias by reading dx again
 # (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/bias-act-grid).
+# A 3-stage loop: 237 us against 258 unstaged, 267 with 2 stages and 260 with 4
+# (benchmarks/results/2026-11-30-h200/norm-backward-stages).
 _BACKWARD_BLOCK = 2048
 _BACKWARD_ROWS = 4 if INTERPRETED else 16
+_BACKWARD_STAGES = 3
 
 
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
@@ -96,7 +100,7 @@ def bias_act_backward(
     dbias_partial = torch.empty(bands, n_cols, device=x.device, dtype=torch.float32)
     _bias_act_backward_kernel[(bands * cdiv(n_cols, block),)](
         dy, x, bias, dx, dbias_partial, n_rows, n_cols, ACTIVATION=activation, BLOCK=block, ROWS=_BACKWARD_ROWS,
-        num_warps=_NUM_WARPS,
+        STAGES=_BACKWARD_STAGES, num_warps=_NUM_WARPS,
     )
     return dx, dbias_partial.sum(dim=0).to(bias.dtype)
 

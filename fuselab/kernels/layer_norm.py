@@ -14,7 +14,7 @@ import triton.language as tl
 
 from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
 from fuselab.kernels._residual import load_input_row
-from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups
+from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
 from fuselab.kernels._validate import (
     check_at_least_1d,
     check_eps,
@@ -109,8 +109,10 @@ def _grad_before_activation(dy, x_hat, w, B, cols, mask, HAS_BIAS: tl.constexpr,
 def _layer_norm_backward_kernel(
     DY, X, W, B, MEAN, RSTD, DH, DX, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols, rows_per_program,
     HAS_BIAS: tl.constexpr, HAS_DH: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """Each program takes a run of rows, writes their dx, and sums dweight and dbias in registers."""
+    """Each program takes a run of rows, writes their dx, and sums dweight and dbias in registers;
+    the next rows' loads are issued while this one is reduced (STAGES, see row_loop_stages)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
@@ -118,7 +120,7 @@ def _layer_norm_backward_kernel(
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
     first_row = pid.to(tl.int64) * rows_per_program
-    for i in range(0, rows_per_program):
+    for i in tl.range(0, rows_per_program, num_stages=STAGES):
         row = first_row + i
         # Rows past the end (in the last program) get an empty mask; one comparison per element.
         mask = cols < tl.where(row < n_rows, n_cols, 0)
@@ -256,12 +258,18 @@ def layer_norm_backward(
     make_partial = torch.zeros if config.looped else torch.empty
     dw_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
     db_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel = _layer_norm_backward_looped_kernel if config.looped else _layer_norm_backward_kernel
+    if config.looped:
+        kernel, staging = _layer_norm_backward_looped_kernel, {}
+    else:
+        # Loaded each row: dy, x, dh if any, and the bias again when the activation's slope needs it.
+        loaded = dy.element_size() + x.element_size() + (0 if dh is None else dh.element_size())
+        loaded += bias.element_size() if bias is not None and activation != "none" else 0
+        kernel, staging = _layer_norm_backward_kernel, {"STAGES": row_loop_stages(config.block, loaded, x.device)}
     kernel[(n_programs,)](
         dy, x, weight, x if bias is None else bias, mean, rstd, dy if dh is None else dh, dx, dw_partial, db_partial,
         n_rows, n_cols, rows_per_program,
         HAS_BIAS=bias is not None, HAS_DH=dh is not None, ACTIVATION=activation,
-        BLOCK=config.block, num_warps=num_warps,
+        BLOCK=config.block, num_warps=num_warps, **staging,
     )
     db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
     return dx, dw_partial.sum(dim=0).to(weight.dtype), db

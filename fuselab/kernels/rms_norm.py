@@ -13,7 +13,7 @@ import triton.language as tl
 
 from fuselab.kernels._launch import use_pdl
 from fuselab.kernels._residual import load_input_row
-from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups
+from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
 from fuselab.kernels._validate import (
     check_at_least_1d,
     check_eps,
@@ -80,16 +80,18 @@ def _rms_norm_forward_looped_kernel(
 
 @triton.jit
 def _rms_norm_backward_kernel(
-    DY, X, W, RSTD, DH, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program, HAS_DH: tl.constexpr, BLOCK: tl.constexpr
+    DY, X, W, RSTD, DH, DX, DW_PARTIAL, n_rows, n_cols, rows_per_program, HAS_DH: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """Each program takes a run of rows, writes their dx, and sums dy·x̂ for dweight in registers."""
+    """Each program takes a run of rows, writes their dx, and sums dy·x̂ for dweight in registers;
+    the next rows' loads are issued while this one is reduced (STAGES, see row_loop_stages)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     first_row = pid.to(tl.int64) * rows_per_program
-    for i in range(0, rows_per_program):
+    for i in tl.range(0, rows_per_program, num_stages=STAGES):
         row = first_row + i
         # Rows past the end (in the last program) get an empty mask; one comparison per element.
         mask = cols < tl.where(row < n_rows, n_cols, 0)
@@ -186,10 +188,14 @@ def rms_norm_backward(
     n_programs, rows_per_program = row_groups(n_rows, config.num_warps, x.device)
     make_partial = torch.zeros if config.looped else torch.empty
     dw_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel = _rms_norm_backward_looped_kernel if config.looped else _rms_norm_backward_kernel
+    if config.looped:
+        kernel, staging = _rms_norm_backward_looped_kernel, {}
+    else:
+        loaded = dy.element_size() + x.element_size() + (0 if dh is None else dh.element_size())
+        kernel, staging = _rms_norm_backward_kernel, {"STAGES": row_loop_stages(config.block, loaded, x.device)}
     kernel[(n_programs,)](
         dy, x, weight, rstd, dy if dh is None else dh, dx, dw_partial, n_rows, n_cols, rows_per_program,
-        HAS_DH=dh is not None, BLOCK=config.block, num_warps=config.num_warps,
+        HAS_DH=dh is not None, BLOCK=config.block, num_warps=config.num_warps, **staging,
     )
     return dx, dw_partial.sum(dim=0).to(weight.dtype)
 

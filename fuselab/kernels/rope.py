@@ -31,8 +31,14 @@ from fuselab.kernels.paged_attention import check_store_inputs
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
-# bounds registers for models with many heads while covering typical q heads in one step.
+# bounds registers for models with many heads while covering typical q heads in one step. From
+# _MANY_TOKENS tokens on, q and k take smaller tiles, which leave each program fewer registers and
+# more programs resident: 32 q + 8 k heads of 128, bf16, 16384 tokens 96.9 -> 88.4 us (84% -> 92% of
+# copy), 4096 tokens 29.9 -> 27.5 us; at 1024 tokens the wide tile was as fast or faster
+# (benchmarks/results/2026-11-30-h200/norm-backward-stages).
 _TILE_ELEMENTS = 2048
+_MANY_TOKENS = 2048
+_MANY_TOKENS_TILE_ELEMENTS = 512
 
 
 @triton.jit
@@ -176,8 +182,8 @@ def _positions_strides(positions: torch.Tensor) -> tuple[int, int]:
     return 0, positions.stride(0)
 
 
-def _head_block(n_heads: int, block_half: int) -> int:
-    return max(1, min(next_power_of_2(max(n_heads, 1)), _TILE_ELEMENTS // block_half))
+def _head_block(n_heads: int, block_half: int, tile_elements: int) -> int:
+    return max(1, min(next_power_of_2(max(n_heads, 1)), tile_elements // block_half))
 
 
 # In the order of _rope_kernel's cache-store arguments, for a launch without the store.
@@ -186,22 +192,24 @@ _NO_STORE = (None,) * 13
 
 @functools.cache
 def _rope_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool, inverse: bool,
-               v_heads: int | None, page_size: int | None) -> dict:
+               v_heads: int | None, page_size: int | None, many_tokens: bool = False) -> dict:
     """The kernel's compile-time arguments, once per shape: a decode step asks for the same ones
     every layer. v_heads and page_size are None for a launch without the cache store."""
     half = rotary_dim // 2
     block_half = next_power_of_2(half)
     pass_dims = head_dim - rotary_dim
+    tile = _MANY_TOKENS_TILE_ELEMENTS if many_tokens else _TILE_ELEMENTS
     meta = dict(
         HALF=half, BLOCK_HALF=block_half,
-        BLOCK_Q_HEADS=_head_block(q_heads, block_half), BLOCK_K_HEADS=_head_block(k_heads, block_half),
+        BLOCK_Q_HEADS=_head_block(q_heads, block_half, tile), BLOCK_K_HEADS=_head_block(k_heads, block_half, tile),
         HEAD_DIM=head_dim, BLOCK_PASS=next_power_of_2(pass_dims) if pass_dims else 0,
         INTERLEAVED=interleaved, INVERSE=inverse,
         STORE_KV=False, PAGE_SIZE=None, BLOCK_V_HEADS=None, BLOCK_D=None,
     )
     if page_size is not None:
         block_d = next_power_of_2(head_dim)
-        meta.update(STORE_KV=True, PAGE_SIZE=page_size, BLOCK_V_HEADS=_head_block(v_heads, block_d), BLOCK_D=block_d)
+        meta.update(STORE_KV=True, PAGE_SIZE=page_size, BLOCK_V_HEADS=_head_block(v_heads, block_d, _TILE_ELEMENTS),
+                    BLOCK_D=block_d)
     return meta
 
 
@@ -216,9 +224,10 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if n_tokens == 0:
         return q_out, k_out
+    many_tokens = n_tokens >= _MANY_TOKENS
     if store is None:
         store_args = _NO_STORE
-        meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, None, None)
+        meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, None, None, many_tokens)
     else:
         v, k_cache, v_cache, slot_mapping = store
         store_args = (
@@ -226,7 +235,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
             k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
         )
         meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, v.shape[1],
-                          k_cache.shape[1])
+                          k_cache.shape[1], many_tokens)
     pdl = use_pdl(q.device)
     _rope_kernel[(n_tokens,)](
         q, *_token_strides(q),
