@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._launch import cdiv, next_power_of_2, row_and_columns, row_block_grid
+from fuselab.kernels._launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, sm_count
 from fuselab.kernels._validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -45,14 +45,14 @@ def _bias_act_backward_kernel(
     bias = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
     dbias = tl.zeros([BLOCK], dtype=tl.float32)
     first = band.to(tl.int64) * ROWS
-    for i in tl.range(ROWS, num_stages=STAGES):
-        mask = cols < tl.where(first + i < n_rows, n_cols, 0)  # rows past the end: no columns
+    # The last band may hold fewer rows (a single row at decode size): no iterations past the end.
+    for i in tl.range(0, tl.minimum(ROWS, n_rows - first), num_stages=STAGES):
         offs = (first + i) * n_cols + cols
-        z = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) + bias
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(X + offs, mask=col_ok, other=0.0).to(tl.float32) + bias
+        dy = tl.load(DY + offs, mask=col_ok, other=0.0).to(tl.float32)
         dx = dy * activate_grad(z, ACTIVATION)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dbias += tl.where(mask, dx, 0.0)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=col_ok)
+        dbias += tl.where(col_ok, dx, 0.0)
     tl.store(DBIAS_PARTIAL + band.to(tl.int64) * n_cols + cols, dbias, mask=col_ok)
 
 
@@ -96,10 +96,16 @@ def bias_act_backward(
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
     block = min(_BACKWARD_BLOCK, next_power_of_2(n_cols))
-    bands = cdiv(n_rows, _BACKWARD_ROWS)
+    col_blocks = cdiv(n_cols, block)
+    # A band's rows are walked one after another: with few rows, shorter bands give more programs.
+    sms = sm_count(x.device) if x.device.type == "cuda" else 4
+    rows = _BACKWARD_ROWS
+    while rows > 1 and cdiv(n_rows, rows) * col_blocks < 2 * sms:
+        rows //= 2
+    bands = cdiv(n_rows, rows)
     dbias_partial = torch.empty(bands, n_cols, device=x.device, dtype=torch.float32)
-    _bias_act_backward_kernel[(bands * cdiv(n_cols, block),)](
-        dy, x, bias, dx, dbias_partial, n_rows, n_cols, ACTIVATION=activation, BLOCK=block, ROWS=_BACKWARD_ROWS,
+    _bias_act_backward_kernel[(bands * col_blocks,)](
+        dy, x, bias, dx, dbias_partial, n_rows, n_cols, ACTIVATION=activation, BLOCK=block, ROWS=rows,
         STAGES=_BACKWARD_STAGES, num_warps=_NUM_WARPS,
     )
     return dx, dbias_partial.sum(dim=0).to(bias.dtype)
