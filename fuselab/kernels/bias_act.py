@@ -6,6 +6,7 @@ The unfused pair writes x + bias out and reads it back; here it stays in registe
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
@@ -66,7 +67,8 @@ def _bias_act_backward_kernel(
 _MAX_BLOCK = 4096
 _NUM_WARPS = 4
 # The backward: 2048 columns by bands of 16 rows over 4 warps (dbias partials: n_rows / 16 rows of
-# fp32; shorter bands when there are too few rows to fill the GPU). 16384 x 8192 bf16, exact GELU: 275 us with the partials' sum, against 346 us at 4096 x 32
+# fp32; shorter bands when there are too few rows to fill the GPU). 16384 x 8192 bf16, exact GELU:
+# 275 us with the partials' sum, against 346 us at 4096 x 32
 # and 334 us for the kernel before it, which summed dbias by reading dx again
 # (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/bias-act-grid).
 # A 3-stage loop: 237 us against 258 unstaged, 267 with 2 stages and 260 with 4
@@ -74,6 +76,16 @@ _NUM_WARPS = 4
 _BACKWARD_BLOCK = 2048
 _BACKWARD_ROWS = 4 if INTERPRETED else 16
 _BACKWARD_STAGES = 3
+
+
+@functools.cache
+def _band_rows(n_rows: int, col_blocks: int, sms: int) -> int:
+    """Rows per band of the backward: a band's rows are walked one after another, so with few rows
+    shorter bands (down to one row) give the GPU at least two programs an SM."""
+    rows = _BACKWARD_ROWS
+    while rows > 1 and cdiv(n_rows, rows) * col_blocks < 2 * sms:
+        rows //= 2
+    return rows
 
 
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
@@ -97,11 +109,7 @@ def bias_act_backward(
     n_rows = x.numel() // n_cols
     block = min(_BACKWARD_BLOCK, next_power_of_2(n_cols))
     col_blocks = cdiv(n_cols, block)
-    # A band's rows are walked one after another: with few rows, shorter bands give more programs.
-    sms = sm_count(x.device) if x.device.type == "cuda" else 4
-    rows = _BACKWARD_ROWS
-    while rows > 1 and cdiv(n_rows, rows) * col_blocks < 2 * sms:
-        rows //= 2
+    rows = _band_rows(n_rows, col_blocks, sm_count(x.device) if x.device.type == "cuda" else 4)
     bands = cdiv(n_rows, rows)
     dbias_partial = torch.empty(bands, n_cols, device=x.device, dtype=torch.float32)
     _bias_act_backward_kernel[(bands * col_blocks,)](

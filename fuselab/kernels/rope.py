@@ -192,7 +192,7 @@ _NO_STORE = (None,) * 13
 
 @functools.cache
 def _rope_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool, inverse: bool,
-               v_heads: int | None, page_size: int | None, many_tokens: bool = False) -> dict:
+               v_heads: int | None, page_size: int | None, many_tokens: bool) -> dict:
     """The kernel's compile-time arguments, once per shape: a decode step asks for the same ones
     every layer. v_heads and page_size are None for a launch without the cache store."""
     half = rotary_dim // 2

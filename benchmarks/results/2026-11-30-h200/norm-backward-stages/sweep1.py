@@ -105,7 +105,7 @@ cs = rope_cos_sin(8192, 128, base=500000.0, device=dev)
 nbytes = 2 * (q.nbytes + k.nbytes) + tokens * (8 + 128 * cs.itemsize)
 for warps in (1, 2, 4, 8, 16):
     for qh in (8, 16, 32):
-        meta = dict(rope._rope_meta(128, 128, 32, 8, False, False, None, None))
+        meta = dict(rope._rope_meta(128, 128, 32, 8, False, False, None, None, False))
         meta["BLOCK_Q_HEADS"] = qh
         qo, ko = torch.empty_like(q), torch.empty_like(k)
         f = lambda: rope._rope_kernel[(tokens,)](

@@ -88,7 +88,7 @@ for tokens in ((1024, 4096, 16384) if dev == "cuda" else (5,)):
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     for warps in (2, 4):
         for qh, kh in ((8, 8), (16, 8), (32, 8), (4, 4)):
-            meta = dict(rope._rope_meta(128, 128, 32, 8, False, False, None, None))
+            meta = dict(rope._rope_meta(128, 128, 32, 8, False, False, None, None, False))
             meta["BLOCK_Q_HEADS"], meta["BLOCK_K_HEADS"] = qh, kh
             f = lambda: rope._rope_kernel[(tokens,)](
                 q, *rope._token_strides(q), k, *rope._token_strides(k), qo, *rope._token_strides(qo),
