@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_checks import DTYPES, assert_close, leaf, lower_block_cap
+from kernel_checks import DTYPES, assert_close, kernel_module, leaf, lower_block_cap
 
 from fuselab.kernels import reference
 from fuselab.kernels.cross_entropy import cross_entropy
@@ -176,3 +176,69 @@ def test_random_shapes_match_reference(rows, vocab, cap, label_smoothing, seed):
     expected.backward()
     assert_close(loss, expected, torch.float32)
     assert_close(xk.grad, xr.grad, torch.float32)
+
+
+def _split_rows(monkeypatch, chunk):
+    """Cut every row of a few-row batch into parts of `chunk` logits (the path decode-sized batches take)."""
+    monkeypatch.setattr(kernel_module("cross_entropy"), "SPLIT_CHUNK", chunk)
+
+
+def test_few_rows_are_split_over_the_vocabulary_and_many_are_not():
+    vocab_splits = kernel_module("cross_entropy")._vocab_splits
+    assert vocab_splits(1, 128256, 1024, 132) == (126, 1024)
+    parts, span = vocab_splits(32, 128256, 1024, 132)
+    assert parts * span >= 128256 > (parts - 1) * span and span % 1024 == 0 and parts > 1
+    assert vocab_splits(1024, 128256, 1024, 132) == (1, 128256)
+    assert vocab_splits(1, 1000, 1024, 132) == (1, 1000)  # one chunk: nothing to split
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_split_rows_match_reference_forward_and_backward(device, monkeypatch, dtype, reduction, label_smoothing):
+    _split_rows(monkeypatch, 32)
+    logits, target = _inputs(3, 301, dtype, device, seed=4, ignored=[1])
+    kw = dict(reduction=reduction, label_smoothing=label_smoothing)
+    assert_close(cross_entropy(logits, target, **kw), _reference(logits, target, **kw), dtype)
+    shape = (3,) if reduction == "none" else ()
+    dloss = torch.rand(shape, generator=torch.Generator().manual_seed(5)).add(0.5).to(dtype)
+    xk = logits.clone().requires_grad_(True)
+    cross_entropy(xk, target, **kw).backward(dloss.to(device))
+    xr = leaf(logits)
+    _reference(xr, target, **kw).backward(dloss.double().to(device))
+    assert_close(xk.grad, xr.grad, dtype, scale=2)
+    assert torch.all(xk.grad[1] == 0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_leading_chunk_of_minus_inf_logits_leaves_the_loss_finite(device, monkeypatch, split):
+    """A row whose first chunk (or first part) is all -inf, as a vocabulary mask makes it: exp(-inf - -inf)
+    must not poison the running sum."""
+    lower_block_cap(monkeypatch, "cross_entropy", 64)
+    _split_rows(monkeypatch, 32 if split else 1 << 20)
+    logits, target = _inputs(2, 200, torch.float32, device, seed=6)
+    logits[:, :100] = float("-inf")
+    target[:] = torch.tensor([150, 20])  # the second row's target is masked out: infinite loss
+    xk = logits.clone().requires_grad_(True)
+    got = cross_entropy(xk, target, reduction="none")
+    expected = _reference(logits, target, reduction="none")
+    assert torch.isfinite(got[0]) and got[1] == float("inf")
+    assert_close(got[:1], expected[:1], torch.float32)
+    got[:1].sum().backward()
+    xr = leaf(logits)
+    _reference(xr, target, reduction="none")[:1].sum().backward()
+    assert_close(xk.grad[0], xr.grad[0], torch.float32)
+
+
+def test_split_rows_propagate_nan_inf_and_out_of_range_targets(device, monkeypatch):
+    _split_rows(monkeypatch, 32)
+    logits, target = _inputs(5, 200, torch.float32, device, seed=7)
+    logits[0, 7] = float("nan")
+    logits[1, 150] = float("inf")
+    logits[2, :] = float("-inf")
+    target[3] = 200
+    got = cross_entropy(logits, target, reduction="none")
+    assert torch.isnan(got[:4]).all() and torch.isfinite(got[4])
+    assert_close(got[4:], _reference(logits[4:], target[4:], reduction="none"), torch.float32)
+    every_ignored = torch.full_like(target, -100)
+    assert torch.isnan(cross_entropy(logits, every_ignored)) and cross_entropy(logits, every_ignored, reduction="sum") == 0

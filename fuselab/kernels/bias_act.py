@@ -14,6 +14,7 @@ import triton.language as tl
 
 from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
 from fuselab.kernels._launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, sm_count
+from fuselab.kernels._partials import new_partials, sum_partials
 from fuselab.kernels._validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
@@ -54,7 +55,8 @@ def _bias_act_backward_kernel(
         dx = dy * activate_grad(z, ACTIVATION)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=col_ok)
         dbias += tl.where(col_ok, dx, 0.0)
-    tl.store(DBIAS_PARTIAL + band.to(tl.int64) * n_cols + cols, dbias, mask=col_ok)
+    # fp32 partials, or the final dbias in its own dtype when there is one band (_partials.py).
+    tl.store(DBIAS_PARTIAL + band.to(tl.int64) * n_cols + cols, dbias.to(DBIAS_PARTIAL.dtype.element_ty), mask=col_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,6 +67,7 @@ def _bias_act_backward_kernel(
 # 8192 bf16, 73% of the copy bandwidth under the exact GELU (bound by its arithmetic) and 96% under
 # relu; 1024 columns: 62% and 99% (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/bias-act-grid).
 _MAX_BLOCK = 4096
+_MIN_BLOCK = 512
 _NUM_WARPS = 4
 # The backward: 2048 columns by bands of 16 rows over 4 warps (dbias partials: n_rows / 16 rows of
 # fp32; shorter bands when there are too few rows to fill the GPU). 16384 x 8192 bf16, exact GELU:
@@ -76,6 +79,16 @@ _NUM_WARPS = 4
 _BACKWARD_BLOCK = 2048
 _BACKWARD_ROWS = 4 if INTERPRETED else 16
 _BACKWARD_STAGES = 3
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_max_block(n_rows: int, n_cols: int, sms: int) -> int:
+    """_MAX_BLOCK, halved (down to _MIN_BLOCK) while the grid would give the GPU fewer than two programs
+    an SM: at decode size one 4096-column program would do all the (arithmetic-heavy) work alone."""
+    block = _MAX_BLOCK
+    while block > _MIN_BLOCK and n_rows * cdiv(n_cols, block) < 2 * sms:
+        block //= 2
+    return block
 
 
 @functools.cache
@@ -93,7 +106,9 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> to
     if x.numel() == 0:
         return y
     n_cols = x.shape[-1]
-    grid, block = row_block_grid(x.numel() // n_cols, n_cols, _MAX_BLOCK)
+    n_rows = x.numel() // n_cols
+    sms = sm_count(x.device) if x.device.type == "cuda" else 4
+    grid, block = row_block_grid(n_rows, n_cols, _forward_max_block(n_rows, n_cols, sms))
     _bias_act_forward_kernel[grid](x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
     return y
 
@@ -111,12 +126,12 @@ def bias_act_backward(
     col_blocks = cdiv(n_cols, block)
     rows = _band_rows(n_rows, col_blocks, sm_count(x.device) if x.device.type == "cuda" else 4)
     bands = cdiv(n_rows, rows)
-    dbias_partial = torch.empty(bands, n_cols, device=x.device, dtype=torch.float32)
+    dbias_partial = new_partials(1, bands, n_cols, bias.dtype, x.device, accumulated=False)
     _bias_act_backward_kernel[(bands * col_blocks,)](
         dy, x, bias, dx, dbias_partial, n_rows, n_cols, ACTIVATION=activation, BLOCK=block, ROWS=rows,
         STAGES=_BACKWARD_STAGES, num_warps=_NUM_WARPS,
     )
-    return dx, dbias_partial.sum(dim=0).to(bias.dtype)
+    return dx, sum_partials(dbias_partial, bias.dtype)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 One program per row walks the vocabulary in chunks, keeping a running max and a running sum of
 exponentials, so a 128k vocabulary never exists as float32 logits in memory: logits are read in
-their own dtype and upcast chunk by chunk in registers.
+their own dtype and upcast chunk by chunk in registers. With fewer rows than the GPU has SMs to
+fill (decode, small batches), each row is cut into parts walked in parallel, whose partial sums a
+second kernel merges: one program alone would walk a 128k-logit row serially.
 
 Memory behaviour. When the logits need a gradient, the forward pass computes it in the same
 kernel (a second walk over the row, which mostly hits L2) and keeps it in a new buffer of the
@@ -19,11 +21,13 @@ device-side assert, so checking them never needs a host sync.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import next_power_of_2
+from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -34,6 +38,86 @@ _REDUCTIONS = ("mean", "sum", "none")
 # with two such programs an SM, the block-wide reductions of each chunk leave its loads idle). Loss
 # and gradient walk each row twice and are fastest with chunks half as long over 8 warps.
 MAX_FUSED_BLOCK = 8192
+# With fewer rows than it takes to fill the GPU, each row is cut into parts walked by programs of
+# their own (then merged: _split_finish_kernel), in chunks of SPLIT_CHUNK over _SPLIT_WARPS warps.
+SPLIT_CHUNK = 1024
+_SPLIT_WARPS = 4
+# Row losses one step of _reduce_loss_kernel adds.
+_REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def _finite(m):
+    """A running maximum to shift exponents by: -inf (nothing but -inf seen yet) shifts by 0, so that
+    exp(-inf - shift) is 0 rather than exp(-inf + inf) = NaN."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr):
+    """Online log-sum-exp over logits [lo, hi) of a row: (max, sum of exp(x - finite max), plain sum
+    of the logits, which label smoothing needs)."""
+    cols = tl.arange(0, CHUNK)
+    running_max = tl.full([], float("-inf"), tl.float32)
+    running_sum = tl.zeros([], tl.float32)
+    logit_sum = tl.zeros([], tl.float32)
+    for start in range(lo, hi, CHUNK):
+        offs = start + cols
+        in_range = offs < hi
+        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        shift = _finite(new_max)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_max = new_max
+        if HAS_SMOOTHING:
+            logit_sum += tl.sum(tl.where(in_range, x, 0.0), axis=0)
+    return running_max, running_sum, logit_sum
+
+
+@triton.jit
+def _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING: tl.constexpr):
+    target_in_vocab = (target >= 0) & (target < n_vocab)
+    target_logit = tl.load(logits_row + target, mask=target_in_vocab, other=float("nan")).to(tl.float32)
+    if HAS_SMOOTHING:
+        # (1 - s) * (lse - x_t) + s * mean_j(lse - x_j)
+        loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * (logit_sum / n_vocab)
+    else:
+        loss = lse - target_logit
+    return loss
+
+
+@triton.jit
+def _write_grad(
+    logits_row, grad_row, target, lo, hi, lse, scale, n_vocab, label_smoothing,
+    HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """d loss / d x_j = softmax_j - (1 - s) [j == t] - s / V, times the reduction's scale, for j in [lo, hi)."""
+    cols = tl.arange(0, CHUNK)
+    for start in range(lo, hi, CHUNK):
+        offs = start + cols
+        in_range = offs < hi
+        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf")).to(tl.float32)
+        grad = tl.exp(x - lse)
+        if HAS_SMOOTHING:
+            grad = grad - label_smoothing / n_vocab
+        grad = tl.where(offs == target, grad - (1.0 - label_smoothing), grad) * scale
+        tl.store(grad_row + offs, grad.to(grad_row.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def _count_valid(target_ptr, target_stride, n_rows, ignore_index, ROWS: tl.constexpr):
+    """How many of the first n_rows (<= ROWS) targets are not ignore_index, as a float."""
+    rows = tl.arange(0, ROWS)
+    target = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=rows < n_rows, other=ignore_index)
+    return tl.sum((target != ignore_index).to(tl.float32), axis=0)
+
+
+@triton.jit
+def _zero_grad(grad_row, lo, hi, CHUNK: tl.constexpr):
+    cols = tl.arange(0, CHUNK)
+    for start in range(lo, hi, CHUNK):
+        offs = start + cols
+        tl.store(grad_row + offs, tl.zeros([CHUNK], tl.float32).to(grad_row.dtype.element_ty), mask=offs < hi)
 
 
 @triton.jit
@@ -53,53 +137,116 @@ def _cross_entropy_kernel(
     logits_row = logits_ptr + row * logits_row_stride
     grad_row = grad_ptr + row * grad_row_stride
     target = tl.load(target_ptr + row * target_stride).to(tl.int64)
-    cols = tl.arange(0, CHUNK)
 
     if target == ignore_index:
-        tl.store(row_loss_ptr + row, 0.0)
+        tl.store(row_loss_ptr + row, tl.zeros([], tl.float32).to(row_loss_ptr.dtype.element_ty))
         if WRITE_GRAD:
-            for start in range(0, n_vocab, CHUNK):
-                offs = start + cols
-                tl.store(grad_row + offs, tl.zeros([CHUNK], tl.float32).to(grad_ptr.dtype.element_ty), mask=offs < n_vocab)
+            _zero_grad(grad_row, 0, n_vocab, CHUNK)
     else:
-        # Pass 1: online log-sum-exp (and the plain sum of logits that label smoothing needs).
-        running_max = float("-inf")
-        running_sum = 0.0
-        logit_sum = 0.0
-        for start in range(0, n_vocab, CHUNK):
-            offs = start + cols
-            in_vocab = offs < n_vocab
-            x = tl.load(logits_row + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            running_max = new_max
-            if HAS_SMOOTHING:
-                logit_sum += tl.sum(tl.where(in_vocab, x, 0.0), axis=0)
-        lse = running_max + tl.log(running_sum)
+        running_max, running_sum, logit_sum = _lse_walk(logits_row, 0, n_vocab, HAS_SMOOTHING, CHUNK)
+        lse = _finite(running_max) + tl.log(running_sum)
 
-        target_in_vocab = (target >= 0) & (target < n_vocab)
-        target_logit = tl.load(logits_row + target, mask=target_in_vocab, other=float("nan")).to(tl.float32)
-        if HAS_SMOOTHING:
-            # (1 - s) * (lse - x_t) + s * mean_j(lse - x_j)
-            loss = lse - (1.0 - label_smoothing) * target_logit - label_smoothing * (logit_sum / n_vocab)
-        else:
-            loss = lse - target_logit
-        tl.store(row_loss_ptr + row, loss)
-
+        loss = _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING)
+        tl.store(row_loss_ptr + row, loss.to(row_loss_ptr.dtype.element_ty))
         if WRITE_GRAD:
-            # Pass 2: d loss / d x_j = softmax_j - (1 - s) [j == t] - s / V, times the reduction's scale.
             scale = 1.0
             if MEAN:
                 scale = 1.0 / tl.load(n_valid_ptr).to(tl.float32)
-            for start in range(0, n_vocab, CHUNK):
-                offs = start + cols
-                in_vocab = offs < n_vocab
-                x = tl.load(logits_row + offs, mask=in_vocab, other=float("-inf")).to(tl.float32)
-                grad = tl.exp(x - lse)
-                if HAS_SMOOTHING:
-                    grad = grad - label_smoothing / n_vocab
-                grad = tl.where(offs == target, grad - (1.0 - label_smoothing), grad) * scale
-                tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+            _write_grad(logits_row, grad_row, target, 0, n_vocab, lse, scale, n_vocab, label_smoothing,
+                        HAS_SMOOTHING, CHUNK)
+
+
+@triton.jit
+def _split_lse_kernel(
+    logits_ptr, logits_row_stride, target_ptr, target_stride, part_ptr, part_plane,
+    n_vocab, span, ignore_index,
+    HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Few rows: program (split, row) takes logits [split · span, (split + 1) · span) of its row and
+    writes that part's (max, sum of exponentials, sum of logits) to planes 0, 1, 2 of `part_ptr`."""
+    split = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    target = tl.load(target_ptr + row * target_stride).to(tl.int64)
+    part_max = tl.full([], float("-inf"), tl.float32)
+    part_sum = tl.zeros([], tl.float32)
+    part_logits = tl.zeros([], tl.float32)
+    if target != ignore_index:
+        lo = split * span
+        part_max, part_sum, part_logits = _lse_walk(
+            logits_ptr + row * logits_row_stride, lo, tl.minimum(lo + span, n_vocab), HAS_SMOOTHING, CHUNK
+        )
+    out = part_ptr + row * tl.num_programs(0) + split
+    tl.store(out, part_max)
+    tl.store(out + part_plane, part_sum)
+    tl.store(out + 2 * part_plane, part_logits)
+
+
+@triton.jit
+def _split_finish_kernel(
+    logits_ptr, logits_row_stride, target_ptr, target_stride, part_ptr, part_plane, n_splits,
+    row_loss_ptr, grad_ptr, grad_row_stride, n_rows,
+    n_vocab, span, ignore_index, label_smoothing,
+    HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, MEAN: tl.constexpr, CHUNK: tl.constexpr,
+    SPLITS: tl.constexpr, ROWS: tl.constexpr,
+):
+    """Merges a row's parts into its log-sum-exp; split 0 stores the loss and, with WRITE_GRAD, every
+    split writes the gradient of its own part (grid: (splits, rows), or (1, rows) without it)."""
+    split = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    grad_row = grad_ptr + row * grad_row_stride
+    target = tl.load(target_ptr + row * target_stride).to(tl.int64)
+    lo = split * span
+    hi = tl.minimum(lo + span, n_vocab)
+    if target == ignore_index:
+        if split == 0:
+            tl.store(row_loss_ptr + row, tl.zeros([], tl.float32).to(row_loss_ptr.dtype.element_ty))
+        if WRITE_GRAD:
+            _zero_grad(grad_row, lo, hi, CHUNK)
+    else:
+        parts = tl.arange(0, SPLITS)
+        part_ok = parts < n_splits
+        first = part_ptr + row * n_splits + parts
+        part_max = tl.load(first, mask=part_ok, other=float("-inf"))
+        part_sum = tl.load(first + part_plane, mask=part_ok, other=0.0)
+        row_max = tl.max(part_max, axis=0)
+        # Each part's sum is relative to its own max (0 when it is -inf, and then the sum is 0 and its
+        # factor exp(-inf) = 0): rescale to the row's.
+        shift = _finite(row_max)
+        lse = shift + tl.log(tl.sum(part_sum * tl.exp(part_max - shift), axis=0))
+        if split == 0:
+            logit_sum = tl.sum(tl.load(first + 2 * part_plane, mask=part_ok, other=0.0), axis=0)
+            loss = _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING)
+            tl.store(row_loss_ptr + row, loss.to(row_loss_ptr.dtype.element_ty))
+        if WRITE_GRAD:
+            # The rows are few (ROWS of them at most): counting the valid ones here saves two launches.
+            scale = 1.0
+            if MEAN:
+                scale = 1.0 / _count_valid(target_ptr, target_stride, n_rows, ignore_index, ROWS)
+            _write_grad(logits_row, grad_row, target, lo, hi, lse, scale, n_vocab, label_smoothing,
+                        HAS_SMOOTHING, CHUNK)
+
+
+@triton.jit
+def _reduce_loss_kernel(
+    row_loss_ptr, target_ptr, target_stride, out_ptr, n_rows, ignore_index, MEAN: tl.constexpr, BLOCK: tl.constexpr
+):
+    """The sum of the row losses, or their mean over the rows not ignored, into out_ptr's dtype: one
+    program, so the order of the sum is fixed, and one launch where torch's sum, count, division and
+    cast take five. No valid row: 0 / 0 = NaN, as torch gives."""
+    total = tl.zeros([BLOCK], tl.float32)
+    valid = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        in_batch = rows < n_rows
+        total += tl.load(row_loss_ptr + rows, mask=in_batch, other=0.0)
+        if MEAN:
+            target = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=in_batch, other=ignore_index)
+            valid += (target != ignore_index).to(tl.float32)
+    loss = tl.sum(total, axis=0)
+    if MEAN:
+        loss = loss / tl.sum(valid, axis=0)
+    tl.store(out_ptr, loss.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -115,6 +262,17 @@ def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_c
             in_row = offs < n_cols
             g = tl.load(grad_row + offs, mask=in_row).to(tl.float32)
             tl.store(grad_row + offs, (g * factor).to(grad_ptr.dtype.element_ty), mask=in_row)
+
+
+@functools.lru_cache(maxsize=1024)
+def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int) -> tuple[int, int]:
+    """(parts per row, logits per part): 1 part unless the rows are too few to give every SM
+    programs; then each row is cut, in multiples of `split_chunk`, into enough parts for 4 programs an SM."""
+    wanted = min(cdiv(4 * sms, max(n_rows, 1)), cdiv(n_vocab, split_chunk))
+    if n_rows == 0 or wanted < 2:
+        return 1, n_vocab
+    span = cdiv(cdiv(n_vocab, wanted), split_chunk) * split_chunk
+    return cdiv(n_vocab, span), span
 
 
 def _launch_config(n_vocab: int, writes: bool) -> tuple[int, int]:
@@ -151,33 +309,41 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
     n_rows, n_vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    # Row losses: the result itself under "none", else fp32 for _reduce_loss_kernel.
+    row_loss = torch.empty(n_rows, dtype=logits.dtype if reduction == "none" else torch.float32, device=logits.device)
     grad = torch.empty((n_rows, n_vocab), dtype=logits.dtype, device=logits.device) if write_grad else None
-    n_valid = (target != ignore_index).sum() if reduction == "mean" else None
-
-    if n_rows > 0:
+    sms = sm_count(logits.device) if logits.device.type == "cuda" else 4
+    n_splits, span = _vocab_splits(n_rows, n_vocab, SPLIT_CHUNK, sms)
+    flags = dict(HAS_SMOOTHING=label_smoothing > 0.0, WRITE_GRAD=write_grad, MEAN=reduction == "mean")
+    grad_args = (grad if write_grad else row_loss, grad.stride(0) if write_grad else 0)
+    if n_splits > 1:
+        parts = torch.empty((3, n_rows, n_splits), dtype=torch.float32, device=logits.device)
+        _split_lse_kernel[(n_splits, n_rows)](
+            logits, logits.stride(0), target, target.stride(0), parts, n_rows * n_splits, n_vocab, span, ignore_index,
+            CHUNK=SPLIT_CHUNK, num_warps=_SPLIT_WARPS, HAS_SMOOTHING=flags["HAS_SMOOTHING"],
+        )
+        _split_finish_kernel[(n_splits if write_grad else 1, n_rows)](
+            logits, logits.stride(0), target, target.stride(0), parts, n_rows * n_splits, n_splits,
+            row_loss, *grad_args, n_rows, n_vocab, span, ignore_index, float(label_smoothing),
+            CHUNK=SPLIT_CHUNK, SPLITS=next_power_of_2(n_splits), ROWS=next_power_of_2(n_rows),
+            num_warps=_SPLIT_WARPS, **flags,
+        )
+    elif n_rows > 0:
+        # The gradient's scale under "mean" needs the count of valid rows before any row is done.
+        n_valid = (target != ignore_index).sum() if write_grad and reduction == "mean" else row_loss
         chunk, num_warps = _launch_config(n_vocab, write_grad)
         _cross_entropy_kernel[(n_rows,)](
-            logits, logits.stride(0),
-            target, target.stride(0),
-            row_loss,
-            grad if write_grad else row_loss, grad.stride(0) if write_grad else 0,
-            n_valid if n_valid is not None else row_loss,
-            n_vocab, ignore_index, float(label_smoothing),
-            HAS_SMOOTHING=label_smoothing > 0.0,
-            WRITE_GRAD=write_grad,
-            MEAN=reduction == "mean",
-            CHUNK=chunk,
-            num_warps=num_warps,
+            logits, logits.stride(0), target, target.stride(0), row_loss, *grad_args, n_valid,
+            n_vocab, ignore_index, float(label_smoothing), CHUNK=chunk, num_warps=num_warps, **flags,
         )
-
     if reduction == "none":
-        loss = row_loss
-    elif reduction == "sum":
-        loss = row_loss.sum()
-    else:
-        loss = row_loss.sum() / n_valid  # no valid row: 0 / 0 = NaN, as torch gives
-    return loss.to(logits.dtype), grad
+        return row_loss, grad
+    loss = torch.empty((), dtype=logits.dtype, device=logits.device)
+    _reduce_loss_kernel[(1,)](
+        row_loss, target, target.stride(0), loss, n_rows, ignore_index, MEAN=reduction == "mean",
+        BLOCK=_REDUCE_BLOCK, num_warps=4,
+    )
+    return loss, grad
 
 
 def _scale_rows_(grad: torch.Tensor, factor: torch.Tensor) -> None:

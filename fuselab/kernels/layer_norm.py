@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
+from fuselab.kernels._partials import new_partials, sum_partials
 from fuselab.kernels._residual import load_input_row
 from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
 from fuselab.kernels._validate import (
@@ -140,9 +141,11 @@ def _layer_norm_backward_kernel(
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dz * x_hat
         db += dz
+    # fp32 partials, or the final sums in W's dtype when this is the only program (_partials.py).
     partial_offs = pid.to(tl.int64) * n_cols + cols
-    tl.store(DW_PARTIAL + partial_offs, dw, mask=col_mask)
-    tl.store(DB_PARTIAL + partial_offs, db, mask=col_mask)
+    tl.store(DW_PARTIAL + partial_offs, dw.to(DW_PARTIAL.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial_offs, db.to(DB_PARTIAL.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -186,8 +189,9 @@ def _layer_norm_backward_looped_kernel(
             tl.store(DX + base + cols, dx.to(DX.dtype.element_ty), mask=mask)
             dw = tl.load(DW_PARTIAL + partial_base + cols, mask=mask, other=0.0)
             tl.store(DW_PARTIAL + partial_base + cols, dw + dz * x_hat, mask=mask)
-            db = tl.load(DB_PARTIAL + partial_base + cols, mask=mask, other=0.0)
-            tl.store(DB_PARTIAL + partial_base + cols, db + dz, mask=mask)
+            if HAS_BIAS:
+                db = tl.load(DB_PARTIAL + partial_base + cols, mask=mask, other=0.0)
+                tl.store(DB_PARTIAL + partial_base + cols, db + dz, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,9 +259,11 @@ def layer_norm_backward(
     # (scripts/tune-kernels --only layer_norm; benchmarks/results/2026-11-30-h200/kernels-tuned, tune.json).
     num_warps = 8 if config.block == 8192 else config.num_warps
     n_programs, rows_per_program = row_groups(n_rows, num_warps, x.device)
-    make_partial = torch.zeros if config.looped else torch.empty
-    dw_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
-    db_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    # dweight's partials, then dbias's if any: one buffer, so one launch adds both up, in their dtype
+    # when they share one.
+    sums_dtype = weight.dtype if bias is None or bias.dtype == weight.dtype else torch.float32
+    groups = 1 if bias is None else 2
+    partials = new_partials(groups, n_programs, n_cols, sums_dtype, x.device, accumulated=config.looped)
     if config.looped:
         kernel, staging = _layer_norm_backward_looped_kernel, {}
     else:
@@ -266,13 +272,13 @@ def layer_norm_backward(
         loaded += bias.element_size() if bias is not None and activation != "none" else 0
         kernel, staging = _layer_norm_backward_kernel, {"STAGES": row_loop_stages(config.block, loaded, x.device)}
     kernel[(n_programs,)](
-        dy, x, weight, x if bias is None else bias, mean, rstd, dy if dh is None else dh, dx, dw_partial, db_partial,
+        dy, x, weight, x if bias is None else bias, mean, rstd, dy if dh is None else dh, dx, partials[0], partials[-1],
         n_rows, n_cols, rows_per_program,
         HAS_BIAS=bias is not None, HAS_DH=dh is not None, ACTIVATION=activation,
         BLOCK=config.block, num_warps=num_warps, **staging,
     )
-    db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
-    return dx, dw_partial.sum(dim=0).to(weight.dtype), db
+    sums = sum_partials(partials, sums_dtype)
+    return dx, sums[0].to(weight.dtype), None if bias is None else sums[1].to(bias.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._launch import use_pdl
+from fuselab.kernels._partials import new_partials, sum_partials
 from fuselab.kernels._residual import load_input_row
 from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
 from fuselab.kernels._validate import (
@@ -106,7 +107,8 @@ def _rms_norm_backward_kernel(
             dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
+    # fp32 partials, or the final dweight in W's dtype when this is the only program (_partials.py).
+    tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw.to(DW_PARTIAL.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -186,8 +188,7 @@ def rms_norm_backward(
     n_rows = x.numel() // n_cols
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     n_programs, rows_per_program = row_groups(n_rows, config.num_warps, x.device)
-    make_partial = torch.zeros if config.looped else torch.empty
-    dw_partial = make_partial((n_programs, n_cols), dtype=torch.float32, device=x.device)
+    dw_partial = new_partials(1, n_programs, n_cols, weight.dtype, x.device, accumulated=config.looped)
     if config.looped:
         kernel, staging = _rms_norm_backward_looped_kernel, {}
     else:
@@ -197,7 +198,7 @@ def rms_norm_backward(
         dy, x, weight, rstd, dy if dh is None else dh, dx, dw_partial, n_rows, n_cols, rows_per_program,
         HAS_DH=dh is not None, BLOCK=config.block, num_warps=config.num_warps, **staging,
     )
-    return dx, dw_partial.sum(dim=0).to(weight.dtype)
+    return dx, sum_partials(dw_partial, weight.dtype)[0]
 
 
 # --------------------------------------------------------------------------------------------
