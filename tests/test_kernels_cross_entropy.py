@@ -188,7 +188,7 @@ def test_few_rows_are_split_over_the_vocabulary_and_many_are_not():
     assert vocab_splits(1, 128256, 1024, 132) == (126, 1024)
     parts, span = vocab_splits(32, 128256, 1024, 132)
     assert parts * span >= 128256 > (parts - 1) * span and span % 1024 == 0 and parts > 1
-    assert vocab_splits(1024, 128256, 1024, 132) == (1, 128256)
+    assert vocab_splits(2048, 128256, 1024, 132) == (1, 128256)
     assert vocab_splits(1, 1000, 1024, 132) == (1, 1000)  # one chunk: nothing to split
 
 

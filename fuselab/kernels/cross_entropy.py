@@ -267,8 +267,9 @@ def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_c
 @functools.lru_cache(maxsize=1024)
 def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int) -> tuple[int, int]:
     """(parts per row, logits per part): 1 part unless the rows are too few to give every SM
-    programs; then each row is cut, in multiples of `split_chunk`, into enough parts for 4 programs an SM."""
-    wanted = min(cdiv(4 * sms, max(n_rows, 1)), cdiv(n_vocab, split_chunk))
+    programs; then each row is cut, in multiples of `split_chunk`, into enough parts for 8 programs an SM
+    (a part's chunks are walked one after another, each waiting on its loads)."""
+    wanted = min(cdiv(8 * sms, max(n_rows, 1)), cdiv(n_vocab, split_chunk))
     if n_rows == 0 or wanted < 2:
         return 1, n_vocab
     span = cdiv(cdiv(n_vocab, wanted), split_chunk) * split_chunk
@@ -369,7 +370,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         if grad is None:
             raise RuntimeError("cross_entropy: backward ran twice; its gradient buffer is consumed by the first backward")
         ctx.grad_logits = None
-        _scale_rows_(grad, grad_loss.to(torch.float32))
+        # Read in its own dtype (the kernel upcasts): a cast here would be one more launch.
+        _scale_rows_(grad, grad_loss)
         return grad, None, None, None, None
 
 
