@@ -13,6 +13,13 @@ def test_host_helpers_agree_with_tritons():
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
+def test_sm_count_of_a_cpu_device_is_the_interpreters_few():
+    """Launch configs that split work to fill the SMs see a few on the CPU, so small tests reach those paths."""
+    assert _launch.sm_count(torch.device("cpu")) == 4
+    if torch.cuda.is_available():
+        assert _launch.sm_count(torch.device("cuda")) == torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def test_dependent_launches_is_scoped_and_cpu_never_uses_it():
     cpu = torch.device("cpu")
     assert not use_pdl(cpu)

@@ -89,6 +89,14 @@ def _sm_count_of(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# What launch configs assume of a device that is not a GPU (the interpreter's CPU tensors): a few SMs,
+# so that tests at small sizes still take the paths that split work to fill them.
+_INTERPRETER_SMS = 4
+
+
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached per device); None index: the current one."""
+    """Streaming multiprocessors of a CUDA device (cached per device; None index: the current one), or
+    _INTERPRETER_SMS for any other device."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())

@@ -45,7 +45,7 @@ def row_config(n_cols: int, max_block: int) -> RowConfig:
 @functools.cache
 def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
     # A few programs per SM (fewer when each is wide) keep the GPU busy while keeping the
-    # per-program partial sums, which the host adds up afterwards, small.
+    # per-program partial sums, which a second kernel adds up (_partials.py), small.
     target = sm_count * max(1, 32 // num_warps)
     rows_per_program = cdiv(n_rows, min(n_rows, target))
     return cdiv(n_rows, rows_per_program), rows_per_program
@@ -53,8 +53,7 @@ def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
 
 def row_groups(n_rows: int, num_warps: int, device: torch.device) -> tuple[int, int]:
     """(programs, rows per program) for a backward that also sums a per-column gradient over rows."""
-    sms = sm_count(device) if device.type == "cuda" else 4
-    return _row_groups(n_rows, num_warps, sms)
+    return _row_groups(n_rows, num_warps, sm_count(device))
 
 
 # Rows a backward's loop keeps in flight. Its program walks its rows one after another and a row's dx

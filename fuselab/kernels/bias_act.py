@@ -109,7 +109,7 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> to
         return y
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols
-    sms = sm_count(x.device) if x.device.type == "cuda" else 4
+    sms = sm_count(x.device)
     grid, block = row_block_grid(n_rows, n_cols, _forward_max_block(n_rows, n_cols, sms))
     _bias_act_forward_kernel[grid](x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
     return y
@@ -126,7 +126,7 @@ def bias_act_backward(
     n_rows = x.numel() // n_cols
     block = min(_BACKWARD_BLOCK, next_power_of_2(n_cols))
     col_blocks = cdiv(n_cols, block)
-    rows = _band_rows(n_rows, col_blocks, sm_count(x.device) if x.device.type == "cuda" else 4)
+    rows = _band_rows(n_rows, col_blocks, sm_count(x.device))
     bands = cdiv(n_rows, rows)
     dbias_partial = new_partials(1, bands, n_cols, bias.dtype, x.device, accumulated=False)
     _bias_act_backward_kernel[(bands * col_blocks,)](

@@ -313,7 +313,7 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
     # Row losses: the result itself under "none", else fp32 for _reduce_loss_kernel.
     row_loss = torch.empty(n_rows, dtype=logits.dtype if reduction == "none" else torch.float32, device=logits.device)
     grad = torch.empty((n_rows, n_vocab), dtype=logits.dtype, device=logits.device) if write_grad else None
-    sms = sm_count(logits.device) if logits.device.type == "cuda" else 4
+    sms = sm_count(logits.device)
     n_splits, span = _vocab_splits(n_rows, n_vocab, SPLIT_CHUNK, sms)
     flags = dict(HAS_SMOOTHING=label_smoothing > 0.0, WRITE_GRAD=write_grad, MEAN=reduction == "mean")
     grad_args = (grad if write_grad else row_loss, grad.stride(0) if write_grad else 0)

@@ -195,7 +195,7 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, dev
     As many as fit PROGRAMS_PER_SM programs on every SM in one go, rounded down: a program over
     budget starts a wave of its own and costs a whole part's time (`fuselab bench attention --sweep`).
     """
-    sms = sm_count(device) if device.type == "cuda" else 4
+    sms = sm_count(device)
     to_fill_gpu = PROGRAMS_PER_SM * sms // max(1, batch * kv_heads)
     by_length = cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
     return max(1, min(max_splits, to_fill_gpu, by_length))
