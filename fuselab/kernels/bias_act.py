@@ -84,13 +84,14 @@ _BACKWARD_STAGES = 3
 
 
 @functools.lru_cache(maxsize=1024)
-def _forward_max_block(n_rows: int, n_cols: int, sms: int) -> int:
-    """_MAX_BLOCK, halved (down to _MIN_BLOCK) while the grid would give the GPU fewer than two programs
-    an SM: at decode size one 4096-column program would do all the (arithmetic-heavy) work alone."""
+def _forward_grid(n_rows: int, n_cols: int, sms: int) -> tuple[tuple[int], int]:
+    """The forward's `row_block_grid` with blocks of _MAX_BLOCK, halved (down to _MIN_BLOCK) while the GPU
+    would get fewer than two programs an SM: at decode size one 4096-column program would do all the
+    (arithmetic-heavy) work alone."""
     block = _MAX_BLOCK
     while block > _MIN_BLOCK and n_rows * cdiv(n_cols, block) < 2 * sms:
         block //= 2
-    return block
+    return row_block_grid(n_rows, n_cols, block)
 
 
 @functools.cache
@@ -108,9 +109,7 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> to
     if x.numel() == 0:
         return y
     n_cols = x.shape[-1]
-    n_rows = x.numel() // n_cols
-    sms = sm_count(x.device)
-    grid, block = row_block_grid(n_rows, n_cols, _forward_max_block(n_rows, n_cols, sms))
+    grid, block = _forward_grid(x.numel() // n_cols, n_cols, sm_count(x.device))
     _bias_act_forward_kernel[grid](x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
     return y
 
