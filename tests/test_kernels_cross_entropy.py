@@ -178,6 +178,29 @@ def test_random_shapes_match_reference(rows, vocab, cap, label_smoothing, seed):
     assert_close(xk.grad, xr.grad, torch.float32)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_programs_walking_several_rows_match_reference(device, monkeypatch, reduction):
+    """More rows than the gradient's grid has programs (2 an SM): each program takes rows in turn,
+    ignored ones among them, over a vocabulary of several chunks with a partial last one; the "mean"
+    gradient's count of valid rows in several steps too."""
+    lower_block_cap(monkeypatch, "cross_entropy", 32)
+    monkeypatch.setattr(kernel_module("cross_entropy"), "_COUNT_BLOCK", 4)
+    rows = 2 * kernel_module("_launch").sm_count(device) + 3
+    logits, target = _inputs(rows, 301, torch.float32, device, seed=8, ignored=[0, 5, rows - 1])
+    kw = dict(reduction=reduction, label_smoothing=0.1)
+    shape = (rows,) if reduction == "none" else ()
+    dloss = torch.rand(shape, generator=torch.Generator().manual_seed(9)).add(0.5).to(device)
+    xk = logits.clone().requires_grad_(True)
+    loss = cross_entropy(xk, target, **kw)
+    loss.backward(dloss)
+    xr = leaf(logits)
+    expected = _reference(xr, target, **kw)
+    expected.backward(dloss.double())
+    assert_close(loss, expected, torch.float32)
+    assert_close(xk.grad, xr.grad, torch.float32)
+    assert torch.all(xk.grad[5] == 0)
+
+
 def _split_rows(monkeypatch, chunk):
     """Cut every row of a few-row batch into parts of `chunk` logits (the path decode-sized batches take)."""
     monkeypatch.setattr(kernel_module("cross_entropy"), "SPLIT_CHUNK", chunk)
@@ -185,11 +208,15 @@ def _split_rows(monkeypatch, chunk):
 
 def test_few_rows_are_split_over_the_vocabulary_and_many_are_not():
     vocab_splits = kernel_module("cross_entropy")._vocab_splits
-    assert vocab_splits(1, 128256, 1024, 132) == (126, 1024)
-    parts, span = vocab_splits(32, 128256, 1024, 132)
+    assert vocab_splits(1, 128256, 1024, 132, 8) == (126, 1024)
+    parts, span = vocab_splits(32, 128256, 1024, 132, 8)
     assert parts * span >= 128256 > (parts - 1) * span and span % 1024 == 0 and parts > 1
-    assert vocab_splits(2048, 128256, 1024, 132) == (1, 128256)
-    assert vocab_splits(1, 1000, 1024, 132) == (1, 1000)  # one chunk: nothing to split
+    assert vocab_splits(2048, 128256, 1024, 132, 8) == (1, 128256)
+    assert vocab_splits(1, 1000, 1024, 132, 8) == (1, 1000)  # one chunk: nothing to split
+    # The gradient's kernel wants 2 programs an SM, so it walks whole rows from 264 rows on.
+    assert vocab_splits(1024, 128256, 1024, 132, 8) == (2, 64512)
+    assert vocab_splits(264, 128256, 1024, 132, 2) == (1, 128256)
+    assert vocab_splits(263, 128256, 1024, 132, 2)[0] > 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -44,10 +44,15 @@ def row_config(n_cols: int, max_block: int) -> RowConfig:
 
 @functools.cache
 def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
-    # A few programs per SM (fewer when each is wide) keep the GPU busy while keeping the
-    # per-program partial sums, which a second kernel adds up (_partials.py), small.
-    target = sm_count * max(1, 32 // num_warps)
-    rows_per_program = cdiv(n_rows, min(n_rows, target))
+    # As few programs as keep the GPU busy: each leaves one row of partial sums, which a second kernel
+    # adds up (_partials.py). Two an SM (more when each has under 8 warps), one once that would give
+    # each more than 32 rows. At 16384 x 8192 bf16 the layer_norm backward and its partial sums took
+    # 208 us with one program an SM, 213 with two, 224 with four; at 4096 x 8192 two an SM were the
+    # fastest for layer_norm and rms_norm (with and without residual), by 2-5 us (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
+    per_sm = max(2, 16 // num_warps)
+    while per_sm > 1 and cdiv(n_rows, per_sm * sm_count) > 32:
+        per_sm //= 2
+    rows_per_program = cdiv(n_rows, min(n_rows, per_sm * sm_count))
     return cdiv(n_rows, rows_per_program), rows_per_program
 
 

@@ -71,15 +71,16 @@ def _bias_act_backward_kernel(
 _MAX_BLOCK = 4096
 _MIN_BLOCK = 512
 _NUM_WARPS = 4
-# The backward: 2048 columns by bands of 16 rows over 4 warps (dbias partials: n_rows / 16 rows of
-# fp32; shorter bands when there are too few rows to fill the GPU). 16384 x 8192 bf16, exact GELU:
-# 275 us with the partials' sum, against 346 us at 4096 x 32
-# and 334 us for the kernel before it, which summed dbias by reading dx again
-# (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/bias-act-grid).
-# A 3-stage loop: 237 us against 258 unstaged, 267 with 2 stages and 260 with 4
-# (benchmarks/results/2026-11-30-h200/norm-backward-stages).
+# The backward: 2048 columns by bands of rows over 4 warps, each band leaving one row of fp32 dbias
+# partials (shorter bands when there are too few rows to fill the GPU). 16384 x 8192 bf16, exact GELU,
+# with 16-row bands: 275 us with the partials' sum, against 346 us at 4096 x 32 and 334 us for the
+# kernel before it, which summed dbias by reading dx again (scripts/tune-kernels --only bias_act,
+# benchmarks/results/2026-11-30-h200/bias-act-grid). A 3-stage loop: 237 us against 258 unstaged,
+# 267 with 2 stages and 260 with 4 (benchmarks/results/2026-11-30-h200/norm-backward-stages).
+# 128-row bands: backward and partial sum 207 us (3 of them the sum), against 225 us (18) with
+# 16-row bands, the same at 4096 rows (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
 _BACKWARD_BLOCK = 2048
-_BACKWARD_ROWS = 4 if INTERPRETED else 16
+_BACKWARD_ROWS = 4 if INTERPRETED else 128
 _BACKWARD_STAGES = 3
 
 

@@ -7,7 +7,7 @@ fill (decode, small batches), each row is cut into parts walked in parallel, who
 second kernel merges: one program alone would walk a 128k-logit row serially.
 
 Memory behaviour. When the logits need a gradient, the forward pass computes it in the same
-kernel (a second walk over the row, which mostly hits L2) and keeps it in a new buffer of the
+kernel (a second walk over the row, last chunk first, which finds part of it still in L2) and keeps it in a new buffer of the
 logits' shape and dtype until backward; no float32 copy is ever made. The logits themselves are
 never written. Backward scales that buffer by the incoming gradient in place and returns it; when
 the incoming gradient is 1 (the usual `loss.backward()`), the kernel sees that on the device and
@@ -35,15 +35,34 @@ _REDUCTIONS = ("mean", "sum", "none")
 # at small vocabularies). Measured at 8192 x 128256 bf16 (scripts/tune-kernels --only cross_entropy,
 # benchmarks/results/2026-11-30-h200/kernels-tuned): the loss alone, one read of each row, is fastest
 # with 8192-logit chunks over 4 warps (97% of the copy bandwidth; 32768 over 32 warps reached 63%:
-# with two such programs an SM, the block-wide reductions of each chunk leave its loads idle). Loss
-# and gradient walk each row twice and are fastest with chunks half as long over 8 warps.
+# with two such programs an SM, the block-wide reductions of each chunk leave its loads idle), one
+# program a row. Loss and gradient walk each row twice: the second walk finds part of the row in L2
+# only if few rows are walked at once, so the gradient's kernel runs 2 programs an SM, each taking
+# rows in turn, in chunks twice as long over 16 warps: the walks take 1395 us at 8192 x 128256 bf16,
+# where one program a row in 4096-logit chunks over 8 warps took 1553 us (the forward with its
+# gradient), and 187 us at 1024 rows, where the split path took 249 us
+# (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
 MAX_FUSED_BLOCK = 8192
+_GRAD_PROGRAMS_PER_SM = 2
 # With fewer rows than it takes to fill the GPU, each row is cut into parts walked by programs of
 # their own (then merged: _split_finish_kernel), in chunks of SPLIT_CHUNK over _SPLIT_WARPS warps.
 SPLIT_CHUNK = 1024
 _SPLIT_WARPS = 4
-# Row losses one step of _reduce_loss_kernel adds.
+# Row losses one step of _reduce_loss_kernel adds: up to 1024, or 4096 over 8 warps for more rows (at
+# 8192 rows, 1024 a step took 11.3 us, its loads one after another).
 _REDUCE_BLOCK = 1024
+_REDUCE_BLOCK_MANY = 4096
+# Targets one step of _count_valid reads.
+_COUNT_BLOCK = 4096
+
+
+@triton.jit
+def _exp(x):
+    # exp by the one special-function instruction; `tl.exp` adds four for the denormal range. At 2
+    # programs of 16 warps an SM that showed: the forward with its gradient took 1587 us at 8192 x
+    # 128256 bf16 with `tl.exp`, 1420 us of kernels with this (benchmarks/results/2026-11-30-h200/
+    # ce-l2-norm-programs).
+    return tl.math.exp2(x * 1.4426950408889634)
 
 
 @triton.jit
@@ -54,9 +73,10 @@ def _finite(m):
 
 
 @triton.jit
-def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr):
+def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr, KEEP: tl.constexpr = False):
     """Online log-sum-exp over logits [lo, hi) of a row: (max, sum of exp(x - finite max), plain sum
-    of the logits, which label smoothing needs)."""
+    of the logits, which label smoothing needs). KEEP: the gradient's walk reads the row again right
+    after, so its lines are marked to stay in L2."""
     cols = tl.arange(0, CHUNK)
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.zeros([], tl.float32)
@@ -64,10 +84,11 @@ def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constex
     for start in range(lo, hi, CHUNK):
         offs = start + cols
         in_range = offs < hi
-        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf"),
+                    eviction_policy="evict_last" if KEEP else "").to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         shift = _finite(new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        running_sum = running_sum * _exp(running_max - shift) + tl.sum(_exp(x - shift), axis=0)
         running_max = new_max
         if HAS_SMOOTHING:
             logit_sum += tl.sum(tl.where(in_range, x, 0.0), axis=0)
@@ -91,25 +112,36 @@ def _write_grad(
     logits_row, grad_row, target, lo, hi, lse, scale, n_vocab, label_smoothing,
     HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """d loss / d x_j = softmax_j - (1 - s) [j == t] - s / V, times the reduction's scale, for j in [lo, hi)."""
+    """d loss / d x_j = softmax_j - (1 - s) [j == t] - s / V, times the reduction's scale, for j in [lo, hi).
+
+    Walks the chunks last to first: the log-sum-exp's walk read the last ones most recently, so they are
+    the likeliest still in L2. Its reads are the lines' last use and its stores are not read again
+    here, so both are marked to leave L2 first. At 8192 x 128256 bf16, in the grid of
+    _cross_entropy_kernel's gradient, the two walks took 1579 us in plain order without hints, 1402 us
+    like this (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs)."""
     cols = tl.arange(0, CHUNK)
-    for start in range(lo, hi, CHUNK):
-        offs = start + cols
+    n_chunks = tl.cdiv(hi - lo, CHUNK)
+    for i in range(0, n_chunks):
+        offs = lo + (n_chunks - 1 - i) * CHUNK + cols
         in_range = offs < hi
-        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf")).to(tl.float32)
-        grad = tl.exp(x - lse)
+        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
+        grad = _exp(x - lse)
         if HAS_SMOOTHING:
             grad = grad - label_smoothing / n_vocab
         grad = tl.where(offs == target, grad - (1.0 - label_smoothing), grad) * scale
-        tl.store(grad_row + offs, grad.to(grad_row.dtype.element_ty), mask=in_range)
+        tl.store(grad_row + offs, grad.to(grad_row.dtype.element_ty), mask=in_range, cache_modifier=".cs")
 
 
 @triton.jit
-def _count_valid(target_ptr, target_stride, n_rows, ignore_index, ROWS: tl.constexpr):
-    """How many of the first n_rows (<= ROWS) targets are not ignore_index, as a float."""
-    rows = tl.arange(0, ROWS)
-    target = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=rows < n_rows, other=ignore_index)
-    return tl.sum((target != ignore_index).to(tl.float32), axis=0)
+def _count_valid(target_ptr, target_stride, n_rows, ignore_index, BLOCK: tl.constexpr):
+    """How many of the n_rows targets are not ignore_index, as a float: every program that scales a
+    "mean" gradient counts them itself, which saves the three launches of torch's count."""
+    count = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        target = tl.load(target_ptr + rows.to(tl.int64) * target_stride, mask=rows < n_rows, other=ignore_index)
+        count += (target != ignore_index).to(tl.float32)
+    return tl.sum(count, axis=0)
 
 
 @triton.jit
@@ -126,34 +158,37 @@ def _cross_entropy_kernel(
     target_ptr, target_stride,
     row_loss_ptr,
     grad_ptr, grad_row_stride,
-    n_valid_ptr,
-    n_vocab, ignore_index, label_smoothing,
+    n_rows, n_vocab, ignore_index, label_smoothing,
     HAS_SMOOTHING: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     MEAN: tl.constexpr,
     CHUNK: tl.constexpr,
+    COUNT_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    logits_row = logits_ptr + row * logits_row_stride
-    grad_row = grad_ptr + row * grad_row_stride
-    target = tl.load(target_ptr + row * target_stride).to(tl.int64)
+    """Whole rows, one after another, program p taking rows p, p + programs, ... (one row each when the
+    grid covers them; the gradient's grid is smaller)."""
+    scale = 1.0
+    if WRITE_GRAD and MEAN:
+        scale = 1.0 / _count_valid(target_ptr, target_stride, n_rows, ignore_index, COUNT_BLOCK)
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(row, tl.int64)
+        logits_row = logits_ptr + row * logits_row_stride
+        grad_row = grad_ptr + row * grad_row_stride
+        target = tl.load(target_ptr + row * target_stride).to(tl.int64)
 
-    if target == ignore_index:
-        tl.store(row_loss_ptr + row, tl.zeros([], tl.float32).to(row_loss_ptr.dtype.element_ty))
-        if WRITE_GRAD:
-            _zero_grad(grad_row, 0, n_vocab, CHUNK)
-    else:
-        running_max, running_sum, logit_sum = _lse_walk(logits_row, 0, n_vocab, HAS_SMOOTHING, CHUNK)
-        lse = _finite(running_max) + tl.log(running_sum)
+        if target == ignore_index:
+            tl.store(row_loss_ptr + row, tl.zeros([], tl.float32).to(row_loss_ptr.dtype.element_ty))
+            if WRITE_GRAD:
+                _zero_grad(grad_row, 0, n_vocab, CHUNK)
+        else:
+            running_max, running_sum, logit_sum = _lse_walk(logits_row, 0, n_vocab, HAS_SMOOTHING, CHUNK, WRITE_GRAD)
+            lse = _finite(running_max) + tl.log(running_sum)
 
-        loss = _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING)
-        tl.store(row_loss_ptr + row, loss.to(row_loss_ptr.dtype.element_ty))
-        if WRITE_GRAD:
-            scale = 1.0
-            if MEAN:
-                scale = 1.0 / tl.load(n_valid_ptr).to(tl.float32)
-            _write_grad(logits_row, grad_row, target, 0, n_vocab, lse, scale, n_vocab, label_smoothing,
-                        HAS_SMOOTHING, CHUNK)
+            loss = _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING)
+            tl.store(row_loss_ptr + row, loss.to(row_loss_ptr.dtype.element_ty))
+            if WRITE_GRAD:
+                _write_grad(logits_row, grad_row, target, 0, n_vocab, lse, scale, n_vocab, label_smoothing,
+                            HAS_SMOOTHING, CHUNK)
 
 
 @triton.jit
@@ -213,7 +248,7 @@ def _split_finish_kernel(
         # Each part's sum is relative to its own max (0 when it is -inf, and then the sum is 0 and its
         # factor exp(-inf) = 0): rescale to the row's.
         shift = _finite(row_max)
-        lse = shift + tl.log(tl.sum(part_sum * tl.exp(part_max - shift), axis=0))
+        lse = shift + tl.log(tl.sum(part_sum * _exp(part_max - shift), axis=0))
         if split == 0:
             logit_sum = tl.sum(tl.load(first + 2 * part_plane, mask=part_ok, other=0.0), axis=0)
             loss = _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING)
@@ -250,25 +285,30 @@ def _reduce_loss_kernel(
 
 
 @triton.jit
-def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_cols, CHUNK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    factor = tl.load(factor_ptr + row * factor_stride).to(tl.float32)
-    # The common case is d(loss)/d(loss) = 1: skip on the device instead of asking the host.
-    if factor != 1.0:
-        grad_row = grad_ptr + row * grad_row_stride
-        cols = tl.arange(0, CHUNK)
-        for start in range(0, n_cols, CHUNK):
-            offs = start + cols
-            in_row = offs < n_cols
-            g = tl.load(grad_row + offs, mask=in_row).to(tl.float32)
-            tl.store(grad_row + offs, (g * factor).to(grad_ptr.dtype.element_ty), mask=in_row)
+def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_rows, n_cols, CHUNK: tl.constexpr):
+    # Rows in turn over a grid of a few programs an SM: in the common case, d(loss)/d(loss) = 1, each
+    # row costs one load of the factor (skipped on the device instead of asking the host), and one
+    # program a row spent 6.8 us of launching and exiting at 8192 rows.
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(row, tl.int64)
+        factor = tl.load(factor_ptr + row * factor_stride).to(tl.float32)
+        if factor != 1.0:
+            grad_row = grad_ptr + row * grad_row_stride
+            cols = tl.arange(0, CHUNK)
+            for start in range(0, n_cols, CHUNK):
+                offs = start + cols
+                in_row = offs < n_cols
+                g = tl.load(grad_row + offs, mask=in_row).to(tl.float32)
+                tl.store(grad_row + offs, (g * factor).to(grad_ptr.dtype.element_ty), mask=in_row)
 
 
 @functools.lru_cache(maxsize=1024)
-def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int) -> tuple[int, int]:
-    """(parts per row, logits per part): 1 part unless the rows are too few to give every SM
+def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int, per_sm: int) -> tuple[int, int]:
+    """(parts per row, logits per part): 1 part unless the rows are too few to give every SM `per_sm`
     programs; then each row is cut, in multiples of `split_chunk`, into enough parts for 8 programs an SM
     (a part's chunks are walked one after another, each waiting on its loads)."""
+    if n_rows >= per_sm * sms:
+        return 1, n_vocab
     wanted = min(cdiv(8 * sms, max(n_rows, 1)), cdiv(n_vocab, split_chunk))
     if n_rows == 0 or wanted < 2:
         return 1, n_vocab
@@ -279,7 +319,7 @@ def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int) -> tupl
 def _launch_config(n_vocab: int, writes: bool) -> tuple[int, int]:
     """(chunk, warps) of a walk that only reads the logits, or also writes a row of the same length."""
     if writes:
-        return min(max(1, MAX_FUSED_BLOCK // 2), next_power_of_2(n_vocab)), 8
+        return min(2 * MAX_FUSED_BLOCK, next_power_of_2(n_vocab)), 16
     return min(MAX_FUSED_BLOCK, next_power_of_2(n_vocab)), 4
 
 
@@ -314,7 +354,7 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
     row_loss = torch.empty(n_rows, dtype=logits.dtype if reduction == "none" else torch.float32, device=logits.device)
     grad = torch.empty((n_rows, n_vocab), dtype=logits.dtype, device=logits.device) if write_grad else None
     sms = sm_count(logits.device)
-    n_splits, span = _vocab_splits(n_rows, n_vocab, SPLIT_CHUNK, sms)
+    n_splits, span = _vocab_splits(n_rows, n_vocab, SPLIT_CHUNK, sms, _GRAD_PROGRAMS_PER_SM if write_grad else 8)
     flags = dict(HAS_SMOOTHING=label_smoothing > 0.0, WRITE_GRAD=write_grad, MEAN=reduction == "mean")
     grad_args = (grad if write_grad else row_loss, grad.stride(0) if write_grad else 0)
     if n_splits > 1:
@@ -330,19 +370,20 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
             num_warps=_SPLIT_WARPS, **flags,
         )
     elif n_rows > 0:
-        # The gradient's scale under "mean" needs the count of valid rows before any row is done.
-        n_valid = (target != ignore_index).sum() if write_grad and reduction == "mean" else row_loss
         chunk, num_warps = _launch_config(n_vocab, write_grad)
-        _cross_entropy_kernel[(n_rows,)](
-            logits, logits.stride(0), target, target.stride(0), row_loss, *grad_args, n_valid,
-            n_vocab, ignore_index, float(label_smoothing), CHUNK=chunk, num_warps=num_warps, **flags,
+        programs = min(n_rows, _GRAD_PROGRAMS_PER_SM * sms) if write_grad else n_rows
+        _cross_entropy_kernel[(programs,)](
+            logits, logits.stride(0), target, target.stride(0), row_loss, *grad_args,
+            n_rows, n_vocab, ignore_index, float(label_smoothing), CHUNK=chunk, COUNT_BLOCK=_COUNT_BLOCK,
+            num_warps=num_warps, **flags,
         )
     if reduction == "none":
         return row_loss, grad
     loss = torch.empty((), dtype=logits.dtype, device=logits.device)
+    block, num_warps = (_REDUCE_BLOCK, 4) if n_rows <= _REDUCE_BLOCK else (_REDUCE_BLOCK_MANY, 8)
     _reduce_loss_kernel[(1,)](
         row_loss, target, target.stride(0), loss, n_rows, ignore_index, MEAN=reduction == "mean",
-        BLOCK=_REDUCE_BLOCK, num_warps=4,
+        BLOCK=block, num_warps=num_warps,
     )
     return loss, grad
 
@@ -354,7 +395,10 @@ def _scale_rows_(grad: torch.Tensor, factor: torch.Tensor) -> None:
         return
     factor_stride = factor.stride(0) if factor.dim() == 1 else 0
     chunk, num_warps = _launch_config(n_cols, writes=True)
-    _scale_rows_kernel[(n_rows,)](grad, grad.stride(0), factor, factor_stride, n_cols, CHUNK=chunk, num_warps=num_warps)
+    programs = min(n_rows, _GRAD_PROGRAMS_PER_SM * sm_count(grad.device))
+    _scale_rows_kernel[(programs,)](
+        grad, grad.stride(0), factor, factor_stride, n_rows, n_cols, CHUNK=chunk, num_warps=num_warps
+    )
 
 
 class CrossEntropyFunction(torch.autograd.Function):
