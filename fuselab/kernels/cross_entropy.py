@@ -1,14 +1,16 @@
 """Cross-entropy over a large vocabulary, chunked with an online log-sum-exp.
 
-One program per row walks the vocabulary in chunks, keeping a running max and a running sum of
+A program walks a row's vocabulary in chunks, keeping a running max and a running sum of
 exponentials, so a 128k vocabulary never exists as float32 logits in memory: logits are read in
-their own dtype and upcast chunk by chunk in registers. With fewer rows than the GPU has SMs to
-fill (decode, small batches), each row is cut into parts walked in parallel, whose partial sums a
-second kernel merges: one program alone would walk a 128k-logit row serially.
+their own dtype and upcast chunk by chunk in registers. The loss alone takes one program a row.
+With fewer rows than the GPU has SMs to fill (decode, small batches), each row is cut into parts
+walked in parallel, whose partial sums a second kernel merges: one program alone would walk a
+128k-logit row serially.
 
 Memory behaviour. When the logits need a gradient, the forward pass computes it in the same
-kernel (a second walk over the row, last chunk first, which finds part of it still in L2) and keeps it in a new buffer of the
-logits' shape and dtype until backward; no float32 copy is ever made. The logits themselves are
+kernel, in a second walk over the row (last chunk first, so that part of it is still in L2; two
+programs an SM take rows in turn, so that few rows compete for L2), and keeps it in a new buffer of
+the logits' shape and dtype until backward; no float32 copy is ever made. The logits themselves are
 never written. Backward scales that buffer by the incoming gradient in place and returns it; when
 the incoming gradient is 1 (the usual `loss.backward()`), the kernel sees that on the device and
 leaves the buffer untouched, so backward costs one near-empty launch and no host sync. Because the
