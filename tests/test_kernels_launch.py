@@ -60,3 +60,17 @@ def test_dependent_launches_give_the_same_results_in_a_cuda_graph():
         torch.cuda.synchronize()
         for got, want in zip(outputs, expected):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_backward_row_groups_leave_few_partial_rows():
+    """One or two programs an SM (as measured fastest with their partial sums), every row covered once."""
+    from fuselab.kernels._row_config import _row_groups
+
+    assert _row_groups(16384, 8, 132) == (132, 125)  # two an SM would give each 62 rows: one an SM
+    assert _row_groups(4096, 8, 132) == (256, 16)  # two an SM: 16 rows each
+    assert _row_groups(16384, 16, 132) == (132, 125)
+    assert _row_groups(16384, 4, 132) == (512, 32)  # narrow rows, 4 warps: four an SM
+    assert _row_groups(1, 8, 132) == (1, 1)
+    for rows in (1, 7, 131, 264, 265, 5000):
+        programs, per_program = _row_groups(rows, 8, 132)
+        assert (programs - 1) * per_program < rows <= programs * per_program

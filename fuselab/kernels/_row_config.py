@@ -47,8 +47,8 @@ def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
     # As few programs as keep the GPU busy: each leaves one row of partial sums, which a second kernel
     # adds up (_partials.py). Two an SM (more when each has under 8 warps), one once that would give
     # each more than 32 rows. At 16384 x 8192 bf16 the layer_norm backward and its partial sums took
-    # 208 us with one program an SM, 213 with two, 224 with four; at 4096 x 8192 two an SM were the
-    # fastest for layer_norm and rms_norm (with and without residual), by 2-5 us
+    # 208 us with one program an SM, 213 with two, 224 with four; two an SM were the
+    # fastest at 4096 x 4096 for layer_norm and rms_norm (with and without residual), by 2-5 us
     # (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
     per_sm = max(2, 16 // num_warps)
     while per_sm > 1 and cdiv(n_rows, per_sm * sm_count) > 32:
