@@ -3,6 +3,7 @@ import torch
 from kernel_checks import assert_close, kernel_module, leaf
 
 from fuselab.kernels import flash_attention, flash_attention_varlen, reference
+from fuselab.kernels._flash_common import INTERPRETER_FORWARD
 
 # On the CPU the interpreter runs 32-row query blocks against 16-key blocks, so these lengths cross
 # block edges, the causal diagonal spanning two key blocks, and a partial last block.
@@ -57,13 +58,14 @@ def test_forward_through_tma_descriptors_matches_reference(device, monkeypatch, 
     """The TMA kernel: tails past the sequence arrive as zeros and are masked; GQA heads find their kv head."""
     module = kernel_module("flash_attention")
     cfg = module.forward_config(32)
-    if device == "cuda":
+    if device.type == "cuda":
         cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
     monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: cfg)
     launched = []
     kernel = module._flash_forward_tma_kernel
     monkeypatch.setattr(module, "_flash_forward_tma_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (launched.append(grid), kernel[grid])[1]})())
+        "__getitem__": lambda self, grid: (launched.append(grid), kernel[grid])[1],
+        "__getattr__": lambda self, name: getattr(kernel, name)})())
     q, k, v = _qkv(2, 4, 4 // group, seq, 32, torch.float16, device)
     expected = reference.attention(q.double(), k.double(), v.double(), causal=causal)
     assert_close(flash_attention(q, k, v, causal=causal), expected, torch.float16)
@@ -85,6 +87,76 @@ def test_tma_path_is_skipped_for_layouts_it_cannot_describe(device, monkeypatch)
     for q, k, v in cases:
         expected = reference.attention(q.double(), k.double(), v.double(), causal=True)
         assert_close(flash_attention(q, k, v), expected, q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# a last wave of few tiles, split along the keys
+# --------------------------------------------------------------------------------------------
+
+
+def test_tail_split_fills_the_last_wave_with_parts_of_its_tiles():
+    tail_split = kernel_module("flash_attention").tail_split
+    # 32k tokens x 16 heads in 128-row tiles on 132 SMs: 4 tiles past 31 waves, cut into 32 parts each.
+    assert tail_split(4096, 132, 32) == (4092, 32, 1)
+    assert tail_split(4096, 132, 128) == (4092, 32, 4)
+    assert tail_split(10, 4, 7) == (8, 2, 4)
+    assert tail_split(12, 11, 7) == (11, 7, 1)
+    for tiles, slots, blocks in ((132, 132, 32), (100, 132, 32), (264, 132, 32), (200, 132, 32), (133, 132, 1)):
+        # One wave or less, waves all full, a last wave over half full, or one key block: nothing to cut.
+        assert tail_split(tiles, slots, blocks) == (tiles, 1, blocks)
+
+
+def _split_forward_spy(monkeypatch, module, slots):
+    """Make the forward believe `slots` programs run at once, one an SM, and record the merge kernel's grids."""
+    monkeypatch.setattr(module, "_slots", lambda *args, **kwargs: slots)
+    monkeypatch.setattr(module, "sm_count", lambda device: slots)
+    merges, merge = [], module._merge_parts_kernel
+    monkeypatch.setattr(module, "_merge_parts_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (merges.append(grid), merge[grid])[1]})())
+    return merges
+
+
+@pytest.mark.parametrize("slots", [5, 11])
+@pytest.mark.parametrize("group", [1, 3])
+def test_split_last_wave_matches_reference(device, monkeypatch, slots, group):
+    """100 keys are 6 whole 16-key blocks and a partial one: parts of 1 and 4 blocks, the tail in the last."""
+    module = kernel_module("flash_attention")
+    merges = _split_forward_spy(monkeypatch, module, slots)
+    inputs = _qkv(1, 3, 3 // group, 100, 16, torch.float32, device)
+    if device.type == "cuda":  # the interpreter's tiles, so that 4 query blocks x 3 heads are 12 tiles there too
+        monkeypatch.setattr(module, "forward_config", lambda head_dim: INTERPRETER_FORWARD._replace(num_warps=4))
+    out = flash_attention(*inputs, causal=False)
+    assert merges == [(2 if slots == 5 else 1, 1)]
+    assert_close(out, reference.attention(*(t.double() for t in inputs), causal=False), torch.float32)
+    # The backward reads the merged log-sum-exp.
+    dout = _randn(inputs[0].shape, torch.float32, device, 3)
+    _check_backward(lambda q, k, v: flash_attention(q, k, v, causal=False),
+                    lambda q, k, v: reference.attention(q, k, v, causal=False), inputs, dout, torch.float32)
+
+
+def test_split_last_wave_through_tma_descriptors(device, monkeypatch):
+    module = kernel_module("flash_attention")
+    cfg = module.forward_config(32)
+    if device.type == "cuda":
+        cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: cfg)
+    q, k, v = _qkv(2, 4, 2, 129, 32, torch.float16, device)
+    tiles = 2 * 4 * -(-129 // cfg.block_m)
+    merges = _split_forward_spy(monkeypatch, module, tiles - 1)
+    out = flash_attention(q, k, v, causal=False)
+    assert merges and merges[0][0] == 1
+    assert_close(out, reference.attention(q.double(), k.double(), v.double(), causal=False), torch.float16)
+
+
+def test_causal_packed_and_shared_sm_tiles_are_not_split(device, monkeypatch):
+    module = kernel_module("flash_attention")
+    merges = _split_forward_spy(monkeypatch, module, 11)
+    flash_attention(*_qkv(1, 3, 3, 100, 16, torch.float32, device), causal=True)
+    q, k, v, cu = _packed([100, 100, 100], 1, 1, 16, device)
+    flash_attention_varlen(q, k, v, cu, 100, causal=False)
+    monkeypatch.setattr(module, "sm_count", lambda device: 6)  # 11 programs at once on 6 SMs: some share one
+    flash_attention(*_qkv(1, 3, 3, 100, 16, torch.float32, device), causal=False)
+    assert merges == []
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -287,3 +359,19 @@ def test_gpu_varlen_forward_backward():
     dout = torch.randn_like(q)
     _check_backward(lambda q, k, v: flash_attention_varlen(q, k, v, cu, max(lengths)),
                     lambda q, k, v: reference.attention_varlen(q, k, v, cu), (q, k, v), dout, torch.bfloat16, scale=4.0)
+
+
+@pytest.mark.gpu
+def test_gpu_last_wave_split_at_real_size(monkeypatch):
+    """One more 128-row tile than the SMs hold at d=128 (one program an SM: three stages of 128x128 K and V
+    tiles fill the shared memory): the last wave's tiles are split, and the result still matches."""
+    module = kernel_module("flash_attention")
+    merges, merge = [], module._merge_parts_kernel
+    monkeypatch.setattr(module, "_merge_parts_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (merges.append(grid), merge[grid])[1]})())
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    torch.manual_seed(0)
+    q, k, v = _qkv(1, sms + 1, sms + 1, 128, 128, torch.bfloat16, "cuda", seq_k=1000)
+    out = flash_attention(q, k, v, causal=False)
+    assert merges == [(1, 128 // module._MERGE_ROWS)]
+    assert_close(out, reference.attention(q.float(), k.float(), v.float(), causal=False), torch.bfloat16)

@@ -20,6 +20,24 @@ def test_sm_count_of_a_cpu_device_is_the_interpreters_few():
         assert _launch.sm_count(torch.device("cuda")) == torch.cuda.get_device_properties(0).multi_processor_count
 
 
+@pytest.mark.parametrize("regs,shared,expected", [
+    (128, 114 * 1024, 132),  # registers for 2 (8 warps at 128 a thread), shared memory for 1 (with 1 KiB kept a program)
+    (128, 113 * 1024, 264),  # shared memory for exactly 2
+    (96, 60 * 1024, 264),  # registers and shared memory for 2 (3 would need 73728 registers)
+    (32, 8 * 1024, 1056),  # threads: 2048 an SM, 256 a program
+    (255, 1024, 132),  # more registers than half an SM: alone, but it runs
+])
+def test_resident_programs_is_the_tightest_of_threads_registers_and_shared_memory(monkeypatch, regs, shared, expected):
+    from types import SimpleNamespace
+
+    compiled = SimpleNamespace(_init_handles=lambda: None, n_regs=regs, metadata=SimpleNamespace(num_warps=8, shared=shared))
+    props = SimpleNamespace(max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=228 * 1024,
+                            multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(_launch, "_registers_per_sm", lambda index: 65536)
+    assert _launch.resident_programs(compiled, torch.device("cuda", 0)) == expected
+
+
 def test_dependent_launches_is_scoped_and_cpu_never_uses_it():
     cpu = torch.device("cpu")
     assert not use_pdl(cpu)

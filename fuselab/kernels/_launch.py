@@ -100,3 +100,27 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def resident_programs(compiled, device: torch.device) -> int:
+    """How many programs of a compiled Triton kernel a CUDA device runs at once: its SMs times as many
+    as fit on one by threads, registers and shared memory."""
+    compiled._init_handles()  # loads the binary: its register count is known from then on
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    threads = 32 * compiled.metadata.num_warps
+    per_sm = min(
+        props.max_threads_per_multi_processor // threads,
+        _registers_per_sm(index) // max(1, compiled.n_regs * threads),
+        props.shared_memory_per_multiprocessor // (compiled.metadata.shared + _RESERVED_SHARED_PER_PROGRAM),
+    )
+    return props.multi_processor_count * max(1, per_sm)
+
+
+def _registers_per_sm(device_index: int) -> int:
+    # A block may use all of an SM's registers (64K on sm_70 to sm_90): the per-block limit is the SM's.
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_num_regs"]
+
+
+# Shared memory the driver keeps for each resident program (1 KiB since sm_80).
+_RESERVED_SHARED_PER_PROGRAM = 1024

@@ -8,8 +8,8 @@ walked in parallel, whose partial sums a second kernel merges: one program alone
 128k-logit row serially.
 
 Memory behaviour. When the logits need a gradient, the forward pass computes it in the same
-kernel, in a second walk over the row (last chunk first, so that part of it is still in L2; two
-programs an SM take rows in turn, so that few rows compete for L2), and keeps it in a new buffer of
+kernel, in a second walk over the row (last chunk first, so that part of it is still in L2; one
+program an SM takes rows in turn, so that few rows compete for L2), and keeps it in a new buffer of
 the logits' shape and dtype until backward; no float32 copy is ever made. The logits themselves are
 never written. Backward scales that buffer by the incoming gradient in place and returns it; when
 the incoming gradient is 1 (the usual `loss.backward()`), the kernel sees that on the device and
@@ -39,13 +39,15 @@ _REDUCTIONS = ("mean", "sum", "none")
 # with 8192-logit chunks over 4 warps (97% of the copy bandwidth; 32768 over 32 warps reached 63%:
 # with two such programs an SM, the block-wide reductions of each chunk leave its loads idle), one
 # program a row. Loss and gradient walk each row twice: the second walk finds part of the row in L2
-# only if few rows are walked at once, so the gradient's kernel runs 2 programs an SM, each taking
-# rows in turn, in chunks twice as long over 16 warps: the walks take 1395 us at 8192 x 128256 bf16,
-# where one program a row in 4096-logit chunks over 8 warps took 1553 us (the forward with its
-# gradient), and 187 us at 1024 rows, where the split path took 249 us
-# (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
+# only if few rows are walked at once, so the gradient's kernel runs one program an SM, each taking
+# rows in turn, in chunks four times as long over 32 warps, its log-sum-exp reduced per lane
+# (_lse_lanes): 1320 us at 8192 x 128256 bf16 and 171 us at 1024 rows, where two programs an SM
+# in 16384-logit chunks over 16 warps with block-wide reductions took 1403 and 188 us
+# (benchmarks/results/2026-11-30-h200/ce-lanes-flash-tail).
 MAX_FUSED_BLOCK = 8192
-_GRAD_PROGRAMS_PER_SM = 2
+_GRAD_PROGRAMS_PER_SM = 1
+# Neighbouring logits one running (max, sum) of _lse_lanes covers: one 16-byte load of bf16.
+_LANE = 8
 # With fewer rows than it takes to fill the GPU, each row is cut into parts walked by programs of
 # their own (then merged: _split_finish_kernel), in chunks of SPLIT_CHUNK over _SPLIT_WARPS warps.
 SPLIT_CHUNK = 1024
@@ -54,6 +56,9 @@ _SPLIT_WARPS = 4
 # 8192 rows, 1024 a step took 11.3 us, its loads one after another).
 _REDUCE_BLOCK = 1024
 _REDUCE_BLOCK_MANY = 4096
+# _scale_rows_kernel: rows in turn over two programs an SM, 2 * MAX_FUSED_BLOCK columns a step over 16 warps.
+_SCALE_PROGRAMS_PER_SM = 2
+_SCALE_WARPS = 16
 # Targets one step of _count_valid reads.
 _COUNT_BLOCK = 4096
 
@@ -75,10 +80,9 @@ def _finite(m):
 
 
 @triton.jit
-def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr, KEEP: tl.constexpr = False):
+def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr):
     """Online log-sum-exp over logits [lo, hi) of a row: (max, sum of exp(x - finite max), plain sum
-    of the logits, which label smoothing needs). KEEP: the gradient's walk reads the row again right
-    after, so its lines are marked to stay in L2."""
+    of the logits, which label smoothing needs)."""
     cols = tl.arange(0, CHUNK)
     running_max = tl.full([], float("-inf"), tl.float32)
     running_sum = tl.zeros([], tl.float32)
@@ -86,8 +90,7 @@ def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constex
     for start in range(lo, hi, CHUNK):
         offs = start + cols
         in_range = offs < hi
-        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf"),
-                    eviction_policy="evict_last" if KEEP else "").to(tl.float32)
+        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
         shift = _finite(new_max)
         running_sum = running_sum * _exp(running_max - shift) + tl.sum(_exp(x - shift), axis=0)
@@ -95,6 +98,31 @@ def _lse_walk(logits_row, lo, hi, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constex
         if HAS_SMOOTHING:
             logit_sum += tl.sum(tl.where(in_range, x, 0.0), axis=0)
     return running_max, running_sum, logit_sum
+
+
+@triton.jit
+def _lse_lanes(logits_row, n_vocab, HAS_SMOOTHING: tl.constexpr, CHUNK: tl.constexpr, LANE: tl.constexpr):
+    """`_lse_walk` over a whole row with a running (max, sum) per lane of LANE neighbouring logits, merged
+    once at the row's end: each chunk is reduced inside the threads that loaded it, so no step waits at
+    a block-wide reduction for the slowest warp's loads. The gradient's walk reads the row again right
+    after, so its lines are marked to stay in L2."""
+    lanes = tl.arange(0, CHUNK // LANE)
+    offs_lane = lanes[:, None] * LANE + tl.arange(0, LANE)[None, :]
+    lane_max = tl.full([CHUNK // LANE], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([CHUNK // LANE], tl.float32)
+    logit_sum = tl.zeros([CHUNK // LANE], tl.float32)
+    for start in range(0, n_vocab, CHUNK):
+        offs = start + offs_lane
+        in_range = offs < n_vocab
+        x = tl.load(logits_row + offs, mask=in_range, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
+        new_max = tl.maximum(lane_max, tl.max(x, axis=1))
+        shift = _finite(new_max)
+        lane_sum = lane_sum * _exp(lane_max - shift) + tl.sum(_exp(x - shift[:, None]), axis=1)
+        lane_max = new_max
+        if HAS_SMOOTHING:
+            logit_sum += tl.sum(tl.where(in_range, x, 0.0), axis=1)
+    row_max = tl.max(lane_max, axis=0)
+    return row_max, tl.sum(lane_sum * _exp(lane_max - _finite(row_max)), axis=0), tl.sum(logit_sum, axis=0)
 
 
 @triton.jit
@@ -166,6 +194,7 @@ def _cross_entropy_kernel(
     MEAN: tl.constexpr,
     CHUNK: tl.constexpr,
     COUNT_BLOCK: tl.constexpr,
+    LANE: tl.constexpr,
 ):
     """Whole rows, one after another, program p taking rows p, p + programs, ... (one row each when the
     grid covers them; the gradient's grid is smaller)."""
@@ -183,7 +212,10 @@ def _cross_entropy_kernel(
             if WRITE_GRAD:
                 _zero_grad(grad_row, 0, n_vocab, CHUNK)
         else:
-            running_max, running_sum, logit_sum = _lse_walk(logits_row, 0, n_vocab, HAS_SMOOTHING, CHUNK, WRITE_GRAD)
+            if WRITE_GRAD:
+                running_max, running_sum, logit_sum = _lse_lanes(logits_row, n_vocab, HAS_SMOOTHING, CHUNK, LANE)
+            else:
+                running_max, running_sum, logit_sum = _lse_walk(logits_row, 0, n_vocab, HAS_SMOOTHING, CHUNK)
             lse = _finite(running_max) + tl.log(running_sum)
 
             loss = _row_loss(logits_row, target, n_vocab, lse, logit_sum, label_smoothing, HAS_SMOOTHING)
@@ -321,7 +353,7 @@ def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int, per_sm:
 def _launch_config(n_vocab: int, writes: bool) -> tuple[int, int]:
     """(chunk, warps) of a walk that only reads the logits, or also writes a row of the same length."""
     if writes:
-        return min(2 * MAX_FUSED_BLOCK, next_power_of_2(n_vocab)), 16
+        return min(4 * MAX_FUSED_BLOCK, max(_LANE, next_power_of_2(n_vocab))), 32
     return min(MAX_FUSED_BLOCK, next_power_of_2(n_vocab)), 4
 
 
@@ -377,7 +409,7 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
         _cross_entropy_kernel[(programs,)](
             logits, logits.stride(0), target, target.stride(0), row_loss, *grad_args,
             n_rows, n_vocab, ignore_index, float(label_smoothing), CHUNK=chunk, COUNT_BLOCK=_COUNT_BLOCK,
-            num_warps=num_warps, **flags,
+            LANE=_LANE, num_warps=num_warps, **flags,
         )
     if reduction == "none":
         return row_loss, grad
@@ -396,10 +428,10 @@ def _scale_rows_(grad: torch.Tensor, factor: torch.Tensor) -> None:
     if n_rows == 0:
         return
     factor_stride = factor.stride(0) if factor.dim() == 1 else 0
-    chunk, num_warps = _launch_config(n_cols, writes=True)
-    programs = min(n_rows, _GRAD_PROGRAMS_PER_SM * sm_count(grad.device))
+    chunk = min(2 * MAX_FUSED_BLOCK, next_power_of_2(n_cols))
+    programs = min(n_rows, _SCALE_PROGRAMS_PER_SM * sm_count(grad.device))
     _scale_rows_kernel[(programs,)](
-        grad, grad.stride(0), factor, factor_stride, n_rows, n_cols, CHUNK=chunk, num_warps=num_warps
+        grad, grad.stride(0), factor, factor_stride, n_rows, n_cols, CHUNK=chunk, num_warps=_SCALE_WARPS
     )
 
 

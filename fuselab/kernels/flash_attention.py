@@ -32,8 +32,8 @@ from fuselab.kernels._flash_common import (
     sequence_span,
     tma_forward_config,
 )
-from fuselab.kernels._launch import cdiv
-from fuselab.kernels._validate import check_float_tensor, needs_autograd
+from fuselab.kernels._launch import cdiv, resident_programs, sm_count
+from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -46,16 +46,49 @@ _TAIL = tl.constexpr(2)  # the last, partial key block of non-causal attention: 
 
 
 @triton.jit
-def _program_block(num_heads, CAUSAL: tl.constexpr):
-    """(query block, batch · heads index, batch, head) of this program. Grid: (query blocks, batch ·
-    heads). Causal programs differ in cost by their row, so the costliest (last) query blocks are
+def _program_tile(num_heads, m_blocks, whole_tiles, splits, CAUSAL: tl.constexpr, SPLIT: tl.constexpr):
+    """(query block, batch · heads index, batch, head, part) of this program; part < 0: a whole tile.
+
+    Grid (1-D): one program a (query block, batch · head) tile, a head's query blocks one after
+    another; with SPLIT, only the first `whole_tiles` tiles so, then `splits` programs for each
+    remaining tile, each over a part of its keys (`tail_split`), `part` numbering them from 0.
+    Causal programs differ in cost by their row, so each head's costliest (last) query blocks are
     launched first and the cheap ones fill the tail."""
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid = tl.program_id(0)
+    if SPLIT:
+        part = pid - whole_tiles
+        tile = tl.where(part >= 0, whole_tiles + part // splits, pid)
     else:
-        pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    return pid_m, pid_bh, pid_bh // num_heads, pid_bh % num_heads
+        part = -1
+        tile = pid
+    pid_m = tile % m_blocks
+    if CAUSAL:
+        pid_m = m_blocks - 1 - pid_m
+    pid_bh = tile // m_blocks
+    return pid_m, pid_bh, pid_bh // num_heads, pid_bh % num_heads, part
+
+
+@triton.jit
+def _key_range(part, splits, part_keys, seq_k, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """(lo, full_end, tail_start, hi): a non-causal program's keys [lo, hi), whole key blocks up to
+    full_end, the partial last block from tail_start. All keys for a whole tile, else part
+    `part % splits` of them (part_keys, a multiple of BLOCK_N, each)."""
+    full_end = seq_k - seq_k % BLOCK_N
+    if SPLIT:
+        lo = tl.where(part >= 0, (part % splits) * part_keys, 0)
+        hi = tl.where(part >= 0, tl.minimum(lo + part_keys, seq_k), seq_k)
+        return lo, tl.minimum(full_end, hi), tl.maximum(full_end, lo), hi
+    else:
+        return 0, full_end, full_end, seq_k
+
+
+@triton.jit
+def _store_part(PART_OUT, PART_LSE, part, acc, l_i, m_i, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A part's normalized output (fp32) and log-sum-exp, for `_merge_parts_kernel`: rows are the tile's
+    own, out-of-sequence ones included (their queries are zeros, their results finite and never stored)."""
+    rows = part.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(PART_LSE + rows, m_i + tl.math.log2(l_i))
+    tl.store(PART_OUT + rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], acc / l_i[:, None])
 
 
 @triton.jit
@@ -129,13 +162,14 @@ def _attend_keys_tma(
 
 @triton.jit
 def _flash_forward_tma_kernel(
-    q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, num_heads, group_size, seq_q, seq_k, qk_scale,
+    q_desc, k_desc, v_desc, o_desc, LSE, PART_OUT, PART_LSE, stride_lb, stride_lh, num_heads, group_size,
+    seq_q, seq_k, qk_scale, m_blocks, whole_tiles, splits, part_keys,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """`_flash_forward_kernel` for contiguous [batch, heads, seq, head_dim] tensors whose head dim is a
     power of two, every tile moved through a TMA descriptor over [batch · heads, seq, head_dim]."""
-    pid_m, pid_bh, batch, head = _program_block(num_heads, CAUSAL)
+    pid_m, pid_bh, batch, head, part = _program_tile(num_heads, m_blocks, whole_tiles, splits, CAUSAL, SPLIT)
     kv_bh = batch * (num_heads // group_size) + head // group_size
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -151,30 +185,36 @@ def _flash_forward_tma_kernel(
                                          start_m, tl.minimum(start_m + BLOCK_M, seq_k), seq_k, qk_scale,
                                          _DIAGONAL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
     else:
-        full_end = seq_k - seq_k % BLOCK_N
-        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, 0, full_end, seq_k, qk_scale,
-                                         _FULL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
-        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, full_end, seq_k, seq_k,
-                                         qk_scale, _TAIL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        lo, full_end, tail_start, hi = _key_range(part, splits, part_keys, seq_k, BLOCK_N, SPLIT)
+        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, lo, full_end, seq_k,
+                                         qk_scale, _FULL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        acc, l_i, m_i = _attend_keys_tma(acc, l_i, m_i, q, k_desc, v_desc, kv_bh, offs_m, tail_start,
+                                         hi, seq_k, qk_scale, _TAIL, HEAD_DIM, BLOCK_N, DOT_PRECISION)
 
-    row_ok = offs_m < seq_q
-    tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m,
-             m_i + tl.math.log2(l_i), mask=row_ok)
-    out = acc / l_i[:, None]
-    # Rows past seq_q fall outside the descriptor's bounds: the store leaves them out.
-    o_desc.store([pid_bh, start_m, 0], out.to(q.dtype).reshape(1, BLOCK_M, HEAD_DIM))
+    is_part = False
+    if SPLIT:
+        is_part = part >= 0
+    if is_part:
+        _store_part(PART_OUT, PART_LSE, part, acc, l_i, m_i, BLOCK_M, HEAD_DIM)
+    else:
+        row_ok = offs_m < seq_q
+        tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m,
+                 m_i + tl.math.log2(l_i), mask=row_ok)
+        out = acc / l_i[:, None]
+        # Rows past seq_q fall outside the descriptor's bounds: the store leaves them out.
+        o_desc.store([pid_bh, start_m, 0], out.to(q.dtype).reshape(1, BLOCK_M, HEAD_DIM))
 
 
 @triton.jit
 def _flash_forward_kernel(
-    Q, K, V, O, LSE, CU_SEQLENS,
+    Q, K, V, O, LSE, CU_SEQLENS, PART_OUT, PART_LSE,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    num_heads, group_size, seq_q, seq_k, qk_scale,
+    num_heads, group_size, seq_q, seq_k, qk_scale, m_blocks, whole_tiles, splits, part_keys,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, _, batch, head = _program_block(num_heads, CAUSAL)
+    pid_m, _, batch, head, part = _program_tile(num_heads, m_blocks, whole_tiles, splits, CAUSAL, SPLIT)
     kv_head = head // group_size
     first_row, seq_q, seq_k = sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN)
     start_m = pid_m * BLOCK_M
@@ -202,20 +242,62 @@ def _flash_forward_kernel(
                                      start_m, tl.minimum(start_m + BLOCK_M, seq_k), seq_k, qk_scale,
                                      _DIAGONAL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     else:
-        full_end = seq_k - seq_k % BLOCK_N
+        # Whole key blocks unmasked, then the partial last one (of this program's part of the keys).
+        lo, full_end, tail_start, hi = _key_range(part, splits, part_keys, seq_k, BLOCK_N, SPLIT)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
-                                     0, full_end, seq_k, qk_scale,
+                                     lo, full_end, seq_k, qk_scale,
                                      _FULL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, K_base, V_base, stride_ks, stride_vs, offs_m, offs_d,
-                                     full_end, seq_k, seq_k, qk_scale,
+                                     tail_start, hi, seq_k, qk_scale,
                                      _TAIL, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
 
-    # The log-sum-exp in log2 units of the scaled scores: the backward recomputes p = exp2(s - lse).
-    tl.store(LSE + batch * stride_lb + head.to(tl.int64) * stride_lh + first_row + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)
-    out = acc / l_i[:, None]
-    O_base = O + batch * stride_ob + head.to(tl.int64) * stride_oh + first_row * stride_os
-    o_ptrs = O_base + offs_m[:, None] * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    is_part = False
+    if SPLIT:
+        is_part = part >= 0
+    if is_part:
+        _store_part(PART_OUT, PART_LSE, part, acc, l_i, m_i, BLOCK_M, BLOCK_D)
+    else:
+        # The log-sum-exp in log2 units of the scaled scores: the backward recomputes p = exp2(s - lse).
+        tl.store(LSE + batch * stride_lb + head.to(tl.int64) * stride_lh + first_row + offs_m,
+                 m_i + tl.math.log2(l_i), mask=row_ok)
+        out = acc / l_i[:, None]
+        O_base = O + batch * stride_ob + head.to(tl.int64) * stride_oh + first_row * stride_os
+        o_ptrs = O_base + offs_m[:, None] * stride_os + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _merge_parts_kernel(
+    PART_OUT, PART_LSE, O, LSE, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    num_heads, m_blocks, whole_tiles, splits, seq_q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+):
+    """The output and log-sum-exp of each split tile from its parts: out = Σ w_p · out_p / Σ w_p with
+    w_p = exp2(lse_p - max lse). Grid: (split tiles, BLOCK_M // ROWS), ROWS of a tile's rows a program."""
+    split_tile = tl.program_id(0)
+    tile_rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    weight = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for p in range(0, splits):
+        # Non-causal parts each hold keys: every lse_p is finite, and the first rescale is exp2(-inf) = 0.
+        rows = (split_tile * splits + p).to(tl.int64) * BLOCK_M + tile_rows
+        lse = tl.load(PART_LSE + rows)
+        out = tl.load(PART_OUT + rows[:, None] * BLOCK_D + offs_d[None, :])
+        m_new = tl.maximum(m, lse)
+        old, new = tl.math.exp2(m - m_new), tl.math.exp2(lse - m_new)
+        acc = acc * old[:, None] + out * new[:, None]
+        weight = weight * old + new
+        m = m_new
+    tile = whole_tiles + split_tile
+    pid_bh = tile // m_blocks
+    batch, head = (pid_bh // num_heads).to(tl.int64), (pid_bh % num_heads).to(tl.int64)
+    offs_m = (tile % m_blocks) * BLOCK_M + tile_rows
+    row_ok = offs_m < seq_q
+    tl.store(LSE + batch * stride_lb + head * stride_lh + offs_m, m + tl.math.log2(weight), mask=row_ok)
+    o_ptrs = O + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, (acc / weight[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,6 +310,37 @@ def _tma_layout(q, k, v, out, varlen: bool) -> bool:
     head_dim = q.shape[-1]
     return (not varlen and q.element_size() == 2 and head_dim == padded_head_dim(head_dim) and head_dim >= 8
             and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, out)))
+
+
+def tail_split(tiles: int, slots: int, key_blocks: int) -> tuple[int, int, int]:
+    """(whole tiles, parts per remaining tile, key blocks per part) for `tiles` equal programs of
+    `key_blocks` key blocks each, `slots` of which the GPU runs at once.
+
+    Equal programs run in waves; a last wave of a few leaves the other SMs idle for a whole program's
+    time (at 32k tokens x 16 heads, 4096 128-row tiles on 132 SMs are 32 waves for 31.03 of work).
+    When the last wave is at most half full, its tiles are cut along the keys into parts that
+    together fill it, and merged after."""
+    rest = tiles % slots
+    if tiles <= slots or rest == 0 or 2 * rest > slots:
+        return tiles, 1, key_blocks
+    parts = min(slots // rest, key_blocks)
+    if parts < 2:
+        return tiles, 1, key_blocks
+    per_part = cdiv(key_blocks, parts)
+    return tiles - rest, cdiv(key_blocks, per_part), per_part
+
+
+_slots_cache: dict[tuple, int] = {}
+
+
+def _slots(kernel, key: tuple, device: torch.device, grid: tuple[int], *args, **kwargs) -> int:
+    """How many programs of `kernel` (compiled for these arguments) the GPU runs at once; cached by `key`."""
+    if key not in _slots_cache:
+        if INTERPRETED:
+            _slots_cache[key] = sm_count(device)
+        else:
+            _slots_cache[key] = resident_programs(kernel.warmup(*args, grid=grid, **kwargs), device)
+    return _slots_cache[key]
 
 
 def flash_forward(
@@ -252,30 +365,59 @@ def flash_forward(
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
     tma_cfg = tma_forward_config(head_dim, causal)
-    if tma_cfg is not None and _tma_layout(q, k, v, out, varlen):
-        cfg = tma_cfg
-        grid = (cdiv(seq_q, cfg.block_m), batch * heads)
+    use_tma = tma_cfg is not None and _tma_layout(q, k, v, out, varlen)
+    cfg = tma_cfg if use_tma else forward_config(head_dim)
+    block_d = head_dim if use_tma else padded_head_dim(head_dim)
+    m_blocks = cdiv(seq_q, cfg.block_m)
+    tiles = m_blocks * batch * heads
+    common = dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+                  DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if use_tma:
+        kernel = _flash_forward_tma_kernel
 
         def desc(t, rows):
             return TensorDescriptor.from_tensor(t.view(-1, t.shape[2], head_dim), [1, rows, head_dim])
-        _flash_forward_tma_kernel[grid](
-            desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, cfg.block_m), lse,
-            stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
-            HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out, lse
-    cfg = forward_config(head_dim)
-    grid = (cdiv(seq_q, cfg.block_m), batch * heads)
-    _flash_forward_kernel[grid](
-        q, k, v, out, lse, cu_seqlens if varlen else lse,
-        *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen), *row_strides(out, varlen),
-        stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        head_args = (desc(q, cfg.block_m), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, cfg.block_m), lse)
+        stride_args = (stride_lb, stride_lh)
+    else:
+        kernel = _flash_forward_kernel
+        head_args = (q, k, v, out, lse, cu_seqlens if varlen else lse)
+        stride_args = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
+                       *row_strides(out, varlen), stride_lb, stride_lh)
+        common.update(BLOCK_D=block_d, VARLEN=varlen)
+    size_args = (heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, m_blocks)
+
+    # Causal tiles differ in cost (the costliest go first instead), packed sequences in length.
+    whole, splits, part_blocks = tiles, 1, 0
+    if not (causal or varlen):
+        slots = _slots(kernel, (use_tma, head_dim, q.dtype, cfg, q.device), q.device, (1,),
+                       *head_args, lse, lse, *stride_args, *size_args, tiles, 1, 0, SPLIT=False, **common)
+        # Where programs share SMs, one left alone in the last wave runs faster than its share, and the
+        # tail costs less than a program's time: at d=64 (two an SM) splitting gained nothing.
+        if slots == sm_count(q.device):
+            whole, splits, part_blocks = tail_split(tiles, slots, cdiv(seq_k, cfg.block_n))
+    split_tiles = tiles - whole
+    if split_tiles:
+        part_out = torch.empty(split_tiles * splits * cfg.block_m, block_d, device=q.device, dtype=torch.float32)
+        part_lse = torch.empty(split_tiles * splits * cfg.block_m, device=q.device, dtype=torch.float32)
+    else:
+        part_out = part_lse = lse  # not written
+    kernel[(whole + split_tiles * splits,)](
+        *head_args, part_out, part_lse, *stride_args, *size_args, whole, splits, part_blocks * cfg.block_n,
+        SPLIT=split_tiles > 0, **common,
     )
+    if split_tiles:
+        rows = min(cfg.block_m, _MERGE_ROWS)
+        _merge_parts_kernel[(split_tiles, cfg.block_m // rows)](
+            part_out, part_lse, out, lse, *row_strides(out, False), stride_lb, stride_lh,
+            heads, m_blocks, whole, splits, seq_q,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, ROWS=rows, num_warps=4,
+        )
     return out, lse
+
+
+# Rows of a split tile one merge program combines.
+_MERGE_ROWS = 32
 
 
 # --------------------------------------------------------------------------------------------
