@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from kernel_checks import assert_close, kernel_module, leaf
@@ -60,7 +62,7 @@ def test_forward_through_tma_descriptors_matches_reference(device, monkeypatch, 
     cfg = module.forward_config(32)
     if device.type == "cuda":
         cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: cfg)
+    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal, seq_q: cfg)
     launched = []
     kernel = module._flash_forward_tma_kernel
     monkeypatch.setattr(module, "_flash_forward_tma_kernel", type("Spy", (), {
@@ -72,9 +74,19 @@ def test_forward_through_tma_descriptors_matches_reference(device, monkeypatch, 
     assert launched
 
 
+def test_long_causal_sequences_take_the_non_causal_tiles(monkeypatch):
+    common = importlib.import_module("fuselab.kernels._flash_common")
+    monkeypatch.setattr(common, "INTERPRETED", False)
+    short, long = common.LONG_CAUSAL_SEQ - 1, common.LONG_CAUSAL_SEQ
+    assert common.tma_forward_config(128, True, short) == common.TMA_FORWARD_CONFIGS[(128, True)]
+    assert common.tma_forward_config(128, True, long) == common.TMA_FORWARD_CONFIGS[(128, False)]
+    assert common.tma_forward_config(128, False, short) == common.TMA_FORWARD_CONFIGS[(128, False)]
+    assert common.tma_forward_config(64, True, long) is None
+
+
 def test_tma_path_is_skipped_for_layouts_it_cannot_describe(device, monkeypatch):
     module = kernel_module("flash_attention")
-    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: module.forward_config(head_dim))
+    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal, seq_q: module.forward_config(head_dim))
     monkeypatch.setattr(module, "_flash_forward_tma_kernel", None)  # would fail if used
     cases = [
         _qkv(1, 2, 2, 20, 80, torch.float16, device),  # head dim 80: padded to 128
@@ -139,7 +151,7 @@ def test_split_last_wave_through_tma_descriptors(device, monkeypatch):
     cfg = module.forward_config(32)
     if device.type == "cuda":
         cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal: cfg)
+    monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal, seq_q: cfg)
     q, k, v = _qkv(2, 4, 2, 129, 32, torch.float16, device)
     tiles = 2 * 4 * -(-129 // cfg.block_m)
     merges = _split_forward_spy(monkeypatch, module, tiles - 1)

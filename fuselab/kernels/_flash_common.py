@@ -130,6 +130,11 @@ TMA_FORWARD_CONFIGS: dict[tuple[int, bool], ForwardConfig] = {
     (128, True): ForwardConfig(64, 64, 4, 3),
     (128, False): ForwardConfig(128, 128, 8, 3),
 }
+# Causal attention over this many queries or more takes the non-causal tiles: most of a 128-row tile's key
+# blocks are then unmasked. d=128, four interleaved rounds against 64x64 tiles: seq 16384 4463 against
+# 4562 us (best), seq 8192 2364 against 2429 (median), seq 4096 1243 against 1238
+# (benchmarks/results/2026-11-30-h200/ce-lanes-flash-tail).
+LONG_CAUSAL_SEQ = 8192
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     16: BackwardConfig(32, 64, 64, 32, 4, 3),
     32: BackwardConfig(32, 64, 64, 32, 4, 3),
@@ -154,9 +159,11 @@ def forward_config(head_dim: int) -> ForwardConfig:
     return INTERPRETER_FORWARD if INTERPRETED else FORWARD_CONFIGS[padded_head_dim(head_dim)]
 
 
-def tma_forward_config(head_dim: int, causal: bool) -> ForwardConfig | None:
+def tma_forward_config(head_dim: int, causal: bool, seq_q: int) -> ForwardConfig | None:
     """The TMA kernel's tiles, or None where the pointer kernel is the faster (and in the interpreter)."""
-    return None if INTERPRETED else TMA_FORWARD_CONFIGS.get((head_dim, causal))
+    if INTERPRETED:
+        return None
+    return TMA_FORWARD_CONFIGS.get((head_dim, causal and seq_q < LONG_CAUSAL_SEQ))
 
 
 def backward_config(head_dim: int) -> BackwardConfig:

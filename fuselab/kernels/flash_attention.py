@@ -364,7 +364,7 @@ def flash_forward(
         batch, seq_q, seq_k = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
-    tma_cfg = tma_forward_config(head_dim, causal)
+    tma_cfg = tma_forward_config(head_dim, causal, seq_q)
     use_tma = tma_cfg is not None and _tma_layout(q, k, v, out, varlen)
     cfg = tma_cfg if use_tma else forward_config(head_dim)
     block_d = head_dim if use_tma else padded_head_dim(head_dim)
