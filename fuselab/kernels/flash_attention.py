@@ -50,8 +50,8 @@ def _program_tile(num_heads, m_blocks, whole_tiles, splits, CAUSAL: tl.constexpr
     """(query block, batch · heads index, batch, head, part) of this program; part < 0: a whole tile.
 
     Grid (1-D): one program a (query block, batch · head) tile, a head's query blocks one after
-    another; with SPLIT, only the first `whole_tiles` tiles so, then `splits` programs for each
-    remaining tile, each over a part of its keys (`tail_split`), `part` numbering them from 0.
+    another. With SPLIT, that holds for the first `whole_tiles` tiles; `splits` programs follow for
+    each remaining tile, each over a part of its keys (`tail_split`), `part` numbering them from 0.
     Causal programs differ in cost by their row, so each head's costliest (last) query blocks are
     launched first and the cheap ones fill the tail."""
     pid = tl.program_id(0)
