@@ -2,9 +2,12 @@
 lane of 8 logits (no block-wide reduction, no barrier, until the row's end) against main's walk (two block-wide
 reductions a chunk), at 1 and 2 programs an SM.
 
-    PYTHONPATH=. python3 exp/ce_lanes.py
+    PYTHONPATH=. python3 benchmarks/results/2026-11-30-h200/ce-lanes-flash-tail/ce_lanes.py [RUN]
+
+RUN 1, 2 or 3 picks the variant list of that run (ce_lanes-RUN.txt); without it, all three.
 """
 import importlib
+import sys
 
 import torch
 import triton
@@ -53,22 +56,36 @@ def _ce_kernel(logits_ptr, stride, target_ptr, row_loss_ptr, grad_ptr, n_rows, n
         _write_grad(base, grad_ptr + row * stride, target, 0, n_vocab, lse, scale, n_vocab, 0.0, False, GCHUNK)
 
 
-def run(logits, target, per_sm, chunk, gchunk, warps, lanes):
+def run(logits, target, per_sm, chunk, gchunk, warps, lanes, vec=VEC):
     n_rows, n_vocab = logits.shape
     loss = torch.empty(n_rows, device=logits.device)
     grad = torch.empty_like(logits)
-    grid = (min(n_rows, per_sm * sm_count(logits.device)),)
+    grid = (min(n_rows, int(per_sm * sm_count(logits.device))),)
 
     def step():
         _ce_kernel[grid](logits, logits.stride(0), target, loss, grad, n_rows, n_vocab, 1.0 / n_rows,
-                         CHUNK=chunk, GCHUNK=gchunk, LANES=lanes, VEC=VEC, num_warps=warps)
+                         CHUNK=chunk, GCHUNK=gchunk, LANES=lanes, VEC=vec, num_warps=warps)
     step()
     ref = torch.nn.functional.cross_entropy(logits.float(), target, reduction="none")
     err = (loss - ref).abs().max().item()
     return bench(step).median_us, err
 
 
+# (programs an SM, warps, lse chunk, gradient chunk, per-lane walk, logits a lane) of each run.
+RUNS = {
+    "1": [(2, 16, 16384, 16384, False, 8), (2, 16, 16384, 16384, True, 8), (2, 16, 32768, 16384, True, 8),
+          (1, 32, 32768, 32768, True, 8), (1, 32, 32768, 16384, True, 8), (1, 32, 65536, 32768, True, 8),
+          (1, 16, 32768, 16384, True, 8), (1, 32, 32768, 32768, False, 8), (2, 8, 16384, 8192, True, 8),
+          (3, 8, 16384, 16384, True, 8), (4, 8, 8192, 8192, True, 8)],
+    "2": [(1, 32, 32768, 32768, True, 8), (1, 32, 65536, 65536, True, 8), (1, 32, 16384, 32768, True, 8),
+          (1, 32, 32768, 65536, True, 8), (1, 16, 16384, 16384, True, 8)],
+    "3": [(1, 32, 32768, 32768, True, 8), (1, 32, 32768, 32768, True, 16), (1, 32, 32768, 32768, True, 4),
+          (0.75, 32, 32768, 32768, True, 8), (0.5, 32, 32768, 32768, True, 8), (1.5, 16, 16384, 16384, True, 8)],
+}
+
+
 def main():
+    variants = [v for run in (sys.argv[1:] or RUNS) for v in RUNS[run]]
     dev = torch.device("cuda")
     for rows in (8192, 1024):
         logits = torch.randn(rows, 128256, device=dev, dtype=torch.bfloat16)
@@ -77,17 +94,14 @@ def main():
         main_us = bench(lambda: ce._cross_entropy_forward(logits, target, -100, "mean", 0.0, write_grad=True)).median_us
         print(f"rows {rows}: main {main_us:.1f} us ({mb / main_us / 1e6:.0f} GB/s, 1 read + 1 write)", flush=True)
         results = []
-        for per_sm, warps, chunk, gchunk, lanes in (
-            (1, 32, 32768, 32768, True), (1, 32, 65536, 65536, True), (1, 32, 16384, 32768, True),
-            (1, 32, 32768, 65536, True), (1, 16, 16384, 16384, True),
-        ):
+        for per_sm, warps, chunk, gchunk, lanes, vec in variants:
             try:
-                us, err = run(logits, target, per_sm, chunk, gchunk, warps, lanes)
+                us, err = run(logits, target, per_sm, chunk, gchunk, warps, lanes, vec)
             except Exception as e:  # noqa: BLE001
-                print(f"  per_sm={per_sm} warps={warps} chunk={chunk}/{gchunk} lanes={lanes}: failed {str(e)[:200]}", flush=True)
+                print(f"  per_sm={per_sm} warps={warps} chunk={chunk}/{gchunk} lanes={lanes} vec={vec}: failed {str(e)[:200]}", flush=True)
                 continue
-            results.append((us, per_sm, warps, chunk, gchunk, lanes))
-            print(f"  per_sm={per_sm} warps={warps} chunk={chunk}/{gchunk} lanes={lanes}: {us:8.1f} us "
+            results.append((us, per_sm, warps, chunk, gchunk, lanes, vec))
+            print(f"  per_sm={per_sm} warps={warps} chunk={chunk}/{gchunk} lanes={lanes} vec={vec}: {us:8.1f} us "
                   f"{mb / us / 1e6:5.0f} GB/s  loss err {err:.1e}", flush=True)
         print("  best:", sorted(results)[:3], flush=True)
         del logits
