@@ -333,13 +333,13 @@ def tail_split(tiles: int, slots: int, key_blocks: int) -> tuple[int, int, int]:
 _slots_cache: dict[tuple, int] = {}
 
 
-def _slots(kernel, key: tuple, device: torch.device, grid: tuple[int], *args, **kwargs) -> int:
+def _slots(kernel, key: tuple, device: torch.device, *args, **kwargs) -> int:
     """How many programs of `kernel` (compiled for these arguments) the GPU runs at once; cached by `key`."""
     if key not in _slots_cache:
         if INTERPRETED:
             _slots_cache[key] = sm_count(device)
         else:
-            _slots_cache[key] = resident_programs(kernel.warmup(*args, grid=grid, **kwargs), device)
+            _slots_cache[key] = resident_programs(kernel.warmup(*args, grid=(1,), **kwargs), device)
     return _slots_cache[key]
 
 
@@ -390,7 +390,7 @@ def flash_forward(
     # Causal tiles differ in cost (the costliest go first instead), packed sequences in length.
     whole, splits, part_blocks = tiles, 1, 0
     if not (causal or varlen):
-        slots = _slots(kernel, (use_tma, head_dim, q.dtype, cfg, q.device), q.device, (1,),
+        slots = _slots(kernel, (use_tma, head_dim, q.dtype, cfg, q.device), q.device,
                        *head_args, lse, lse, *stride_args, *size_args, tiles, 1, 0, SPLIT=False, **common)
         # Where programs share SMs, one left alone in the last wave runs faster than its share, and the
         # tail costs less than a program's time: at d=64 (two an SM) splitting gained nothing.
