@@ -180,7 +180,7 @@ def test_random_shapes_match_reference(rows, vocab, cap, label_smoothing, seed):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_programs_walking_several_rows_match_reference(device, monkeypatch, reduction):
-    """More rows than the gradient's grid has programs (2 an SM): each program takes rows in turn,
+    """More rows than the gradient's grid has programs (one an SM): each program takes rows in turn,
     ignored ones among them, over a vocabulary of several chunks with a partial last one; the "mean"
     gradient's count of valid rows in several steps too."""
     lower_block_cap(monkeypatch, "cross_entropy", 32)
@@ -202,21 +202,27 @@ def test_programs_walking_several_rows_match_reference(device, monkeypatch, redu
 
 
 def _split_rows(monkeypatch, chunk):
-    """Cut every row of a few-row batch into parts of `chunk` logits (the path decode-sized batches take)."""
-    monkeypatch.setattr(kernel_module("cross_entropy"), "SPLIT_CHUNK", chunk)
+    """Cut every row into parts of `chunk` logits (the path decode-sized batches take), however few the
+    SMs the launch config assumes."""
+    ce = kernel_module("cross_entropy")
+    monkeypatch.setattr(ce, "SPLIT_CHUNK", chunk)
+    monkeypatch.setattr(ce, "_whole_rows_from", lambda sms, write_grad: 1 << 30)
 
 
 def test_few_rows_are_split_over_the_vocabulary_and_many_are_not():
-    vocab_splits = kernel_module("cross_entropy")._vocab_splits
-    assert vocab_splits(1, 128256, 1024, 132, 8) == (126, 1024)
-    parts, span = vocab_splits(32, 128256, 1024, 132, 8)
+    ce = kernel_module("cross_entropy")
+    vocab_splits, whole_from = ce._vocab_splits, ce._whole_rows_from
+    loss_only, with_grad = whole_from(132, False), whole_from(132, True)
+    assert (loss_only, with_grad) == (1056, 66)
+    assert vocab_splits(1, 128256, 1024, 132, loss_only) == (126, 1024)
+    parts, span = vocab_splits(32, 128256, 1024, 132, loss_only)
     assert parts * span >= 128256 > (parts - 1) * span and span % 1024 == 0 and parts > 1
-    assert vocab_splits(2048, 128256, 1024, 132, 8) == (1, 128256)
-    assert vocab_splits(1, 1000, 1024, 132, 8) == (1, 1000)  # one chunk: nothing to split
-    # The gradient's kernel wants 2 programs an SM, so it walks whole rows from 264 rows on.
-    assert vocab_splits(1024, 128256, 1024, 132, 8) == (2, 64512)
-    assert vocab_splits(264, 128256, 1024, 132, 2) == (1, 128256)
-    assert vocab_splits(263, 128256, 1024, 132, 2)[0] > 1
+    assert vocab_splits(2048, 128256, 1024, 132, loss_only) == (1, 128256)
+    assert vocab_splits(1, 1000, 1024, 132, loss_only) == (1, 1000)  # one chunk: nothing to split
+    assert vocab_splits(1024, 128256, 1024, 132, loss_only) == (2, 64512)
+    # With the gradient, rows are walked whole from half as many rows as SMs.
+    assert vocab_splits(66, 128256, 1024, 132, with_grad) == (1, 128256)
+    assert vocab_splits(65, 128256, 1024, 132, with_grad)[0] > 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
