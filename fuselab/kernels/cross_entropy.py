@@ -48,8 +48,8 @@ MAX_FUSED_BLOCK = 8192
 _GRAD_PROGRAMS_PER_SM = 1
 # Neighbouring logits one running (max, sum) of _lse_lanes covers: one 16-byte load of bf16.
 _LANE = 8
-# With fewer rows than it takes to fill the GPU, each row is cut into parts walked by programs of
-# their own (then merged: _split_finish_kernel), in chunks of SPLIT_CHUNK over _SPLIT_WARPS warps.
+# With fewer rows than _whole_rows_from, each row is cut into parts walked by programs of their own
+# (then merged: _split_finish_kernel), in chunks of SPLIT_CHUNK over _SPLIT_WARPS warps.
 SPLIT_CHUNK = 1024
 _SPLIT_WARPS = 4
 # Row losses one step of _reduce_loss_kernel adds: up to 1024, or 4096 over 8 warps for more rows (at
