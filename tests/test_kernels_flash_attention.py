@@ -1,4 +1,5 @@
 import importlib
+import math
 
 import pytest
 import torch
@@ -327,6 +328,63 @@ def test_bad_varlen_inputs_raise_naming_the_argument(device):
         flash_attention_varlen(q, k, v, cu, 4.0)
     with pytest.raises(ValueError, match="k has 6 tokens"):
         flash_attention_varlen(q, k[:6], v[:6], cu, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# The Hopper forward (Gluon)
+# --------------------------------------------------------------------------------------------
+
+hopper = kernel_module("flash_attention").hopper
+needs_hopper_module = pytest.mark.skipif(hopper is None, reason="this Triton has no Gluon")
+
+
+@needs_hopper_module
+def test_hopper_forward_takes_only_the_layouts_it_was_built_for():
+    def qkv(seq=256, seq_k=None, head_dim=128, dtype=torch.bfloat16):
+        return _qkv(1, 2, 2, seq, head_dim, dtype, "cpu", seq_k)
+
+    fits = hopper.layout_fits
+    assert fits(*qkv(), causal=True) and fits(*qkv(dtype=torch.float16), causal=False)
+    assert fits(*qkv(256, 640), causal=False)  # cross-attention: key blocks of their own count
+    assert not fits(*qkv(256, 640), causal=True)  # causal needs as many keys as queries
+    assert not fits(*qkv(200), causal=False)  # not a whole number of 128-row blocks
+    assert not fits(*qkv(256, 200), causal=False)
+    assert not fits(*qkv(head_dim=64), causal=False)
+    assert not fits(*qkv(dtype=torch.float32), causal=False)
+    q, k, v = qkv()
+    assert not fits(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, causal=False)  # sequence-major view
+    assert not hopper.supports(q, k, v, causal=False)  # not a CUDA tensor
+
+
+def _hopper_gpu() -> bool:
+    return hopper is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,heads,kv_heads,seq,seq_k", [(1, 2, 2, 128, 128), (2, 4, 1, 384, 384),
+                                                           (1, 3, 3, 256, 640)])
+def test_gpu_hopper_forward_matches_reference(monkeypatch, causal, dtype, batch, heads, kv_heads, seq, seq_k):
+    """One key block (both warpgroups' first and last turn at once), several with the ring wrapping,
+    GQA, more keys than queries; the log-sum-exp the backward reads included."""
+    if causal and seq != seq_k:
+        pytest.skip("causal attention takes this kernel only with as many keys as queries")
+    calls = []
+    forward = hopper.flash_forward_hopper
+    monkeypatch.setattr(hopper, "flash_forward_hopper", lambda *a: (calls.append(a[3]), forward(*a))[1])
+    torch.manual_seed(0)
+    q, k, v = _qkv(batch, heads, kv_heads, seq, 128, dtype, "cuda", seq_k)
+    out = flash_attention(q, k, v, causal=causal, scale=0.05)
+    assert calls == [causal]
+    kf, vf = (t.float().repeat_interleave(heads // kv_heads, 1) for t in (k, v))
+    assert_close(out, reference.attention(q.float(), kf, vf, causal=causal, scale=0.05), dtype)
+    _, lse = forward(q, k, v, causal, 0.05)
+    scores = q.float() @ kf.transpose(-1, -2) * 0.05
+    if causal:
+        scores = scores.masked_fill(torch.ones(seq, seq_k, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1) / math.log(2), rtol=1e-4, atol=1e-3)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,11 @@ from fuselab.kernels._flash_common import (
 from fuselab.kernels._launch import cdiv, resident_programs, sm_count
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
 
+try:  # Gluon, Triton's explicit dialect (Triton >= 3.5): the Hopper forward.
+    from fuselab.kernels import _flash_forward_hopper as hopper
+except ImportError:
+    hopper = None
+
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
@@ -357,6 +362,8 @@ def flash_forward(
     Padded inputs are [batch, heads, seq, head_dim]; with `cu_seqlens`, packed [tokens, heads, head_dim].
     """
     varlen = cu_seqlens is not None
+    if not varlen and hopper is not None and hopper.supports(q, k, v, causal):
+        return hopper.flash_forward_hopper(q, k, v, causal, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse, (stride_lb, stride_lh) = new_row_stats(q, varlen)
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
