@@ -9,6 +9,10 @@ backward pass, which recomputes the probabilities block by block instead of stor
 Grouped-query attention reads the key/value head of each query head in place (head h uses
 kv head h // (heads / kv_heads)); nothing is repeated in memory. The same kernels serve packed
 variable-length batches (`flash_attention_varlen`): `cu_seqlens` gives each sequence's first row.
+
+On Hopper at head dim 128, padded calls whose lengths are whole 128-row blocks take a warp-specialized
+forward written in Gluon instead (`_flash_forward_hopper`); its log-sum-exp is this kernel's, so the
+backward is shared.
 """
 
 from __future__ import annotations
