@@ -370,7 +370,7 @@ def test_gpu_hopper_forward_matches_reference(monkeypatch, causal, dtype, batch,
     """One key block (both warpgroups' first and last turn at once), several with the ring wrapping,
     GQA, more keys than queries; the log-sum-exp the backward reads included."""
     if causal and seq != seq_k:
-        pytest.skip("causal attention takes this kernel only with as many keys as queries")
+        pytest.skip("causal attention needs as many keys as queries")
     calls = []
     forward = hopper.flash_forward_hopper
     monkeypatch.setattr(hopper, "flash_forward_hopper", lambda *a: (calls.append(a[3]), forward(*a))[1])
