@@ -4,8 +4,8 @@ warps, shared-memory buffers and barriers are explicit.
 Why a second forward kernel: the Triton kernel's two warpgroups run in lockstep, both at the tensor
 cores, then both at the softmax, so the tensor cores idle while the exponentials are computed. Here a
 program (128 query rows of one head) is three partitions:
-- a load warp streams the K and V blocks through TMA into a ring of shared-memory stages, one barrier
-  a stage saying "arrived" and one saying "free again";
+- a load warp streams the K and V blocks through TMA into a ring of shared-memory stages, with barriers
+  a stage saying "K arrived", "V arrived" and "free again";
 - two compute warpgroups own 64 rows each and take turns issuing their matrix products (a pair of
   barriers passes the turn), so one's softmax overlaps the other's products. Each issues a block's q·kᵀ
   together with the previous block's p·v and waits for both once.
