@@ -39,9 +39,9 @@ from fuselab.kernels._flash_common import (
 from fuselab.kernels._launch import cdiv, resident_programs, sm_count
 from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
 
-try:  # Gluon, Triton's explicit dialect (Triton >= 3.5): the Hopper forward.
+try:  # Gluon, Triton's explicit dialect: the Hopper forward. Older Tritons lack it, or parts of it.
     from fuselab.kernels import _flash_forward_hopper as hopper
-except ImportError:
+except (ImportError, AttributeError):
     hopper = None
 
 # --------------------------------------------------------------------------------------------
