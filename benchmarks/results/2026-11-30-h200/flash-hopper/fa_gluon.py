@@ -1,7 +1,15 @@
 """Flash forward for Hopper in Gluon: a loader warp streams K/V through TMA into a ring of shared-memory
 stages; two consumer warpgroups each own 64 of a program's 128 query rows and take turns at the tensor
 cores (one's softmax runs while the other's matrix products do), each issuing this block's q·kᵀ together
-with the previous block's p·v."""
+with the previous block's p·v.
+
+fa_gluon-1.txt was recorded with this kernel in a prototype file; it now lives, unchanged but for names, in
+fuselab/kernels/_flash_forward_hopper.py, and this script launches it from there with 2 or 3 stages: checks
+against SDPA in fp32 at small sizes, then times both against the Triton kernel and SDPA's cuDNN backend at head
+dim 128, B·S = 32k tokens, 16 heads:
+
+    PYTHONPATH=. python3 benchmarks/results/2026-11-30-h200/flash-hopper/fa_gluon.py 4096     (fa_gluon-1.txt)
+"""
 
 import importlib
 import sys
