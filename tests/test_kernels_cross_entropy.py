@@ -275,3 +275,54 @@ def test_split_rows_propagate_nan_inf_and_out_of_range_targets(device, monkeypat
     assert_close(got[4:], _reference(logits[4:], target[4:], reduction="none"), torch.float32)
     every_ignored = torch.full_like(target, -100)
     assert torch.isnan(cross_entropy(logits, every_ignored)) and cross_entropy(logits, every_ignored, reduction="sum") == 0
+
+
+hopper = kernel_module("cross_entropy").hopper
+needs_hopper_module = pytest.mark.skipif(hopper is None, reason="this Triton has no Gluon")
+
+
+@needs_hopper_module
+def test_hopper_kernel_takes_only_the_layouts_it_was_built_for():
+    x = torch.empty(64, 4096, dtype=torch.bfloat16)
+    fits = hopper.layout_fits
+    assert fits(x, 0.0) and fits(x.half(), 0.0)
+    assert not fits(x.float(), 0.0)  # fp32 logits
+    assert not fits(x, 0.1)  # label smoothing
+    assert not fits(x[:, :4000], 0.0)  # rows strided
+    assert not fits(torch.empty(64, 4008, dtype=torch.bfloat16), 0.0)  # vocabulary not a multiple of 32
+    assert not hopper.supports(x, 0.0, sms=1)  # not a CUDA tensor
+
+
+def _hopper_gpu() -> bool:
+    return hopper is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("rows, vocab, dtype, reduction", [
+    (300, 100032, torch.bfloat16, "mean"),  # streamed chunks, a partial last one, rows not a multiple of programs
+    (133, 96, torch.float16, "sum"),  # one partial chunk, 32-logit segments, ignored rows
+    (1, 81920, torch.bfloat16, "none"),  # exactly the kept chunks, one program
+    (1100, 128256, torch.bfloat16, "mean"),  # the size it was built for, taken without lowering ROWS_PER_SM
+])
+def test_gpu_hopper_kernel_matches_reference(monkeypatch, rows, vocab, dtype, reduction):
+    if rows < 1100:  # small cases: taken by the Hopper kernel instead of the split path or the Triton kernel
+        monkeypatch.setattr(hopper, "ROWS_PER_SM", 0)
+        monkeypatch.setattr(kernel_module("cross_entropy"), "_whole_rows_from", lambda sms, write_grad: 1)
+    calls = []
+    launch = hopper.cross_entropy_hopper
+    monkeypatch.setattr(hopper, "cross_entropy_hopper", lambda *a: calls.append(1) or launch(*a))
+    logits, target = _inputs(rows, vocab, dtype, "cuda", seed=rows, ignored=range(0, rows, 7) if rows > 1 else [])
+    if rows > 2:
+        logits[1, 5] = float("nan")  # a NaN row: NaN loss and gradient for that row only
+    shape = (rows,) if reduction == "none" else ()
+    dloss = torch.rand(shape, generator=torch.Generator().manual_seed(1)).add(0.5).to(dtype).cuda()
+    xk = logits.clone().requires_grad_(True)
+    loss = cross_entropy(xk, target, reduction=reduction)
+    loss.backward(dloss)
+    assert calls == [1]
+    xr = leaf(logits)
+    expected = _reference(xr, target, reduction=reduction)
+    expected.backward(dloss.double())
+    assert_close(loss, expected, dtype)
+    assert_close(xk.grad, xr.grad, dtype, scale=2)

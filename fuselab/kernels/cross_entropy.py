@@ -16,6 +16,8 @@ the incoming gradient is 1 (the usual `loss.backward()`), the kernel sees that o
 leaves the buffer untouched, so backward costs one near-empty launch and no host sync. Because the
 buffer is consumed, backward can run only once per forward. Without a gradient (inference,
 `torch.no_grad()`, logits that do not require grad) the forward pass only reads the logits.
+On a Hopper GPU, many rows of contiguous bf16/fp16 logits with a gradient go to a Gluon kernel
+instead (`_cross_entropy_hopper`), which keeps most of each row in shared memory for both walks.
 
 Targets outside [0, vocab) that are not `ignore_index` give a NaN loss for their row rather than a
 device-side assert, so checking them never needs a host sync.
@@ -31,6 +33,11 @@ import triton.language as tl
 
 from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
 from fuselab.kernels._validate import check_float_tensor, needs_autograd
+
+try:  # Gluon (Triton's explicit dialect) is experimental: without it, the Triton kernels take every call.
+    from fuselab.kernels import _cross_entropy_hopper as hopper
+except (ImportError, AttributeError):
+    hopper = None
 
 _REDUCTIONS = ("mean", "sum", "none")
 # The longest chunk of a row one step of the walk covers (tests lower it so the multi-chunk path runs
@@ -411,6 +418,8 @@ def _cross_entropy_forward(logits, target, ignore_index, reduction, label_smooth
             CHUNK=SPLIT_CHUNK, SPLITS=next_power_of_2(n_splits), ROWS=next_power_of_2(n_rows),
             num_warps=_SPLIT_WARPS, **flags,
         )
+    elif write_grad and hopper is not None and hopper.supports(logits, label_smoothing, sms):
+        hopper.cross_entropy_hopper(logits, target, row_loss, grad, ignore_index, reduction == "mean", sms)
     elif n_rows > 0:
         chunk, num_warps = _launch_config(n_vocab, write_grad)
         programs = min(n_rows, _GRAD_PROGRAMS_PER_SM * sms) if write_grad else n_rows

@@ -1,0 +1,175 @@
+"""Loss + gradient through shared memory, two load warps: chunks 0..K-1 of a row go once into K "keep"
+slots (read by both walks); chunks K..C-1 stream twice through the other slots (the second time from L2).
+Each walk takes the streamed chunks first, so a row's keep slots are refilled with the next row while its
+streamed chunks of the next row are already waiting."""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _keep_loads(desc, ring, ready, free, pid, programs, my_rows, keep, segs_per_row, R: gl.constexpr):
+    for row_i in range(my_rows):
+        row = pid + row_i * programs
+        for i in range(keep):
+            mbarrier.wait(free.index(i), (row_i & 1) ^ 1)
+            mbarrier.expect(ready.index(i), desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row * segs_per_row + i * R, 0], ready.index(i), ring.index(i))
+
+
+@gluon.jit
+def _stream_loads(desc, ring, ready, free, pid, programs, my_rows, keep, n_chunks, segs_per_row,
+                  R: gl.constexpr, KEEP: gl.constexpr, STAGES: gl.constexpr):
+    SS: gl.constexpr = STAGES - KEEP
+    n_stream = n_chunks - keep
+    k = 0
+    for row_i in range(my_rows):
+        row = pid + row_i * programs
+        for j in range(2 * n_stream):
+            c = keep + j % n_stream
+            s = KEEP + k % SS
+            mbarrier.wait(free.index(s), ((k // SS) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row * segs_per_row + c * R, 0], ready.index(s), ring.index(s))
+            k += 1
+
+
+@gluon.jit
+def _chunk(ring, s, layout: gl.constexpr, CHUNK: gl.constexpr, LANE: gl.constexpr):
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    return ring.index(s)._reinterpret(ring.dtype, [CHUNK // LANE, LANE], flat).load(layout)
+
+
+@gluon.jit
+def _fold(x, c, offs, n_vocab, lane_m, lane_s, CHUNK: gl.constexpr):
+    k2: gl.constexpr = 1.4426950408889634
+    cols = c * CHUNK + offs
+    x = gl.where(cols < n_vocab, x.to(gl.float32), float("-inf"))
+    new_m = gl.maximum(lane_m, gl.max(x, axis=1))
+    shift = gl.where(new_m == float("-inf"), 0.0, new_m) * k2
+    lane_s = lane_s * gl.exp2(lane_m * k2 - shift) + gl.sum(gl.exp2(x * k2 - shift[:, None]), axis=1)
+    return new_m, lane_s
+
+
+@gluon.jit
+def _grad(x, c, offs, bias, grad_row, n_vocab, CHUNK: gl.constexpr):
+    cols = c * CHUNK + offs
+    g = gl.exp2(x.to(gl.float32) * 1.4426950408889634 - bias)
+    gl.store(grad_row + cols, g.to(grad_row.dtype.element_ty), mask=cols < n_vocab, cache_modifier=".cs")
+
+
+@gluon.jit
+def _compute(ring, ready, free, logits_ptr, stride, target_ptr, row_loss_ptr, grad_ptr, gstride,
+             pid, programs, my_rows, n_chunks, keep, n_vocab, scale,
+             CHUNK: gl.constexpr, LANE: gl.constexpr, KEEP: gl.constexpr, STAGES: gl.constexpr,
+             num_warps: gl.constexpr):
+    SS: gl.constexpr = STAGES - KEEP
+    layout: gl.constexpr = gl.BlockedLayout([1, LANE], [32, 1], [num_warps, 1], [1, 0])
+    lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    offs = gl.arange(0, CHUNK // LANE, layout=lane_layout)[:, None] * LANE + \
+        gl.arange(0, LANE, layout=gl.SliceLayout(0, layout))[None, :]
+    k2: gl.constexpr = 1.4426950408889634
+    log2_scale = gl.log2(scale)
+    n_stream = n_chunks - keep
+    k = 0
+    for row_i in range(my_rows):
+        row = (pid + row_i * programs).to(gl.int64)
+        target = gl.load(target_ptr + row).to(gl.int64)
+        in_vocab = (target >= 0) & (target < n_vocab)
+        x_t = gl.load(logits_ptr + row * stride + gl.where(in_vocab, target, 0)).to(gl.float32)
+        x_t = gl.where(in_vocab, x_t, float("nan"))
+        lane_m = gl.full([CHUNK // LANE], float("-inf"), gl.float32, layout=lane_layout)
+        lane_s = gl.zeros([CHUNK // LANE], gl.float32, layout=lane_layout)
+        for j in range(n_stream):
+            s = KEEP + k % SS
+            mbarrier.wait(ready.index(s), (k // SS) & 1)
+            x = _chunk(ring, s, layout, CHUNK, LANE)
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(s), count=1)
+            lane_m, lane_s = _fold(x, keep + j, offs, n_vocab, lane_m, lane_s, CHUNK)
+            k += 1
+        for i in range(keep):
+            mbarrier.wait(ready.index(i), row_i & 1)
+            lane_m, lane_s = _fold(_chunk(ring, i, layout, CHUNK, LANE), i, offs, n_vocab, lane_m, lane_s, CHUNK)
+        m = gl.max(lane_m, axis=0)
+        shift = gl.where(m == float("-inf"), 0.0, m)
+        lse = shift + gl.log(gl.sum(lane_s * gl.exp2((lane_m - shift) * k2), axis=0))
+        gl.store(row_loss_ptr + row, lse - x_t)
+        bias = lse * k2 - log2_scale
+        grad_row = grad_ptr + row * gstride
+        for j in range(n_stream):
+            s = KEEP + k % SS
+            mbarrier.wait(ready.index(s), (k // SS) & 1)
+            x = _chunk(ring, s, layout, CHUNK, LANE)
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(s), count=1)
+            _grad(x, keep + j, offs, bias, grad_row, n_vocab, CHUNK)
+            k += 1
+        for i in range(keep):
+            x = _chunk(ring, i, layout, CHUNK, LANE)
+            gl.thread_barrier()
+            mbarrier.arrive(free.index(i), count=1)
+            _grad(x, i, offs, bias, grad_row, n_vocab, CHUNK)
+        # The target's logit: its gradient less `scale`, after every warp's store of the row.
+        gl.thread_barrier()
+        gt = gl.exp2(x_t * k2 - bias) - scale
+        gl.store(grad_row + target, gt.to(grad_ptr.dtype.element_ty), mask=in_vocab)
+
+
+@gluon.jit
+def ce_keep2_kernel(desc, logits_ptr, stride, target_ptr, row_loss_ptr, grad_ptr, gstride, n_rows, n_vocab, scale,
+                    CHUNK: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr, KEEP: gl.constexpr,
+                    LANE: gl.constexpr, num_warps: gl.constexpr):
+    R: gl.constexpr = CHUNK // W
+    ring = gl.allocate_shared_memory(desc.dtype, [STAGES, R, W], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(free.index(slot), count=1)
+    fence_async_shared()
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    n_chunks = gl.cdiv(n_vocab, CHUNK)
+    keep = gl.minimum(n_chunks, KEEP)
+    my_rows = gl.cdiv(gl.maximum(n_rows - pid, 0), programs)
+    segs = n_vocab // W
+    gl.warp_specialize([
+        (_compute, (ring, ready, free, logits_ptr, stride, target_ptr, row_loss_ptr, grad_ptr, gstride,
+                    pid, programs, my_rows, n_chunks, keep, n_vocab, scale, CHUNK, LANE, KEEP, STAGES, num_warps)),
+        (_keep_loads, (desc, ring, ready, free, pid, programs, my_rows, keep, segs, R)),
+        (_stream_loads, (desc, ring, ready, free, pid, programs, my_rows, keep, n_chunks, segs, R, KEEP, STAGES)),
+    ], [1, 1], [24, 24])
+
+
+def seg_width(n_vocab: int, chunk: int) -> int:
+    for w in (256, 128, 64, 32):
+        if n_vocab % w == 0 and chunk // w <= 256:
+            return w
+    raise ValueError(f"vocab {n_vocab} not a multiple of 32")
+
+
+def run(x, t, chunk, stages, keep, warps):
+    n_rows, n_vocab = x.shape
+    row_loss = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    grad = torch.empty_like(x)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    w = seg_width(n_vocab, chunk)
+    flat = x.view(-1, w)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [chunk // w, w], layout)
+    ce_keep2_kernel[(min(n_rows, sms),)](desc, x, x.stride(0), t, row_loss, grad, grad.stride(0), n_rows, n_vocab,
+                                         1.0 / n_rows, CHUNK=chunk, W=w, STAGES=stages, KEEP=keep, LANE=8,
+                                         num_warps=warps)
+    return row_loss, grad
+
+
+CONFIGS = [  # chunk, stages, keep, warps
+    (8192, 13, 10, 8),
+    (8192, 13, 10, 16),
+    (8192, 13, 9, 16),
+    (16384, 6, 4, 16),
+    (16384, 6, 4, 8),
+]
