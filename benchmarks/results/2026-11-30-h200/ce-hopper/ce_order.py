@@ -2,30 +2,6 @@
 
     PYTHONPATH=. python3 benchmarks/results/2026-11-30-h200/ce-hopper/drive.py ce_order 8192
 """
-"""Cross-entropy's loss and gradient for Hopper (sm_90), written in Gluon, Triton's lower-level dialect,
-where shared-memory buffers, TMA copies and barriers are explicit.
-
-Why a second kernel: the gradient needs the row's log-sum-exp before its first element, so the Triton
-kernel walks every 256 KB row (128256 bf16 logits) twice, the second time from L2. Its DRAM traffic is
-then close to one read and one write, but L2 serves the row three times (two reads, one write) and
-became the limit. Here most of a row is read from DRAM into shared memory once and used by both walks:
-
-- a program (one an SM) takes rows in turn; a row is C chunks of CHUNK logits;
-- chunks 0..keep-1 go once into `keep` slots of shared memory (one warp loads them by TMA, the next
-  row's chunk i as soon as this row's gradient has read slot i);
-- chunks keep..C-1 stream through the remaining slots twice (a second warp loads them, the second time
-  from L2), ahead of use;
-- the compute warps fold each chunk into per-lane running (max, sum of exponentials), then write the
-  gradient chunk by chunk. Both walks take the streamed chunks first, so the next row's streamed chunks
-  are already arriving while this row's kept ones are still in use.
-At 8192 x 128256 bf16 that took 1195-1198 us against the Triton kernel's 1331 (a clone of the logits:
-983), and the L2 was still the busiest unit (85% of its peak against 73-77% for the Triton kernel, from a
-quarter to a third of each row still read twice) (benchmarks/results/2026-11-30-h200/ce-hopper).
-
-It takes what it was built and measured for: contiguous bf16/fp16 logits whose vocabulary is a multiple
-of 32 (the TMA view), without label smoothing, with a gradient, at least ROWS_PER_SM rows an SM, on a
-Hopper GPU with the Gluon of Triton 3.6; everything else goes to the Triton kernels.
-"""
 
 from __future__ import annotations
 
