@@ -299,13 +299,17 @@ def _hopper_gpu() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_gpu(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("rows, vocab, dtype, reduction", [
-    (300, 100032, torch.bfloat16, "mean"),  # streamed chunks, a partial last one, rows not a multiple of programs
-    (133, 96, torch.float16, "sum"),  # one partial chunk, 32-logit segments, ignored rows
-    (1, 81920, torch.bfloat16, "none"),  # exactly the kept chunks, one program
-    (1100, 128256, torch.bfloat16, "mean"),  # the size it was built for, taken without lowering ROWS_PER_SM
+@pytest.mark.parametrize("rows, vocab, dtype, reduction, held", [
+    # streamed chunks read twice, the partial last one among them; rows not a multiple of programs
+    (300, 100032, torch.bfloat16, "mean", 2),
+    (300, 100032, torch.bfloat16, "sum", 8),  # every streamed chunk held in registers
+    (133, 96, torch.float16, "sum", None),  # one partial chunk, 32-logit segments, ignored rows
+    (1, 81920, torch.bfloat16, "none", None),  # ten chunks, one program
+    (1100, 128256, torch.bfloat16, "mean", None),  # the size it was built for, taken without lowering ROWS_PER_SM
 ])
-def test_gpu_hopper_kernel_matches_reference(monkeypatch, rows, vocab, dtype, reduction):
+def test_gpu_hopper_kernel_matches_reference(monkeypatch, rows, vocab, dtype, reduction, held):
+    if held is not None:
+        monkeypatch.setattr(hopper, "_HELD", held)
     if rows < 1100:  # small cases: taken by the Hopper kernel instead of the split path or the Triton kernel
         monkeypatch.setattr(hopper, "ROWS_PER_SM", 0)
         monkeypatch.setattr(kernel_module("cross_entropy"), "_whole_rows_from", lambda sms, write_grad: 1)

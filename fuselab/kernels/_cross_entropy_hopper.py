@@ -9,14 +9,15 @@ became the limit. Here most of a row is read from DRAM into shared memory once a
 - a program (one an SM) takes rows in turn; a row is C chunks of CHUNK logits;
 - chunks 0..keep-1 go once into `keep` slots of shared memory (one warp loads them by TMA, the next
   row's chunk i as soon as this row's gradient has read slot i);
-- chunks keep..C-1 stream through the remaining slots twice (a second warp loads them, the second time
-  from L2), ahead of use;
+- chunks keep..C-1 stream through the remaining slots (a second warp loads them, ahead of use); the
+  compute warps hold the first `held` of them in registers for the gradient, and only the rest are
+  streamed a second time (from L2);
 - the compute warps fold each chunk into per-lane running (max, sum of exponentials), then write the
   gradient chunk by chunk. Both walks take the streamed chunks first, so the next row's streamed chunks
   are already arriving while this row's kept ones are still in use.
-At 8192 x 128256 bf16 that took 1195-1198 us against the Triton kernel's 1331 (a clone of the logits:
-983), and the L2 was still the busiest unit (85% of its peak against 73-77% for the Triton kernel, from a
-quarter to a third of each row still read twice) (benchmarks/results/2026-11-30-h200/ce-hopper).
+At 8192 x 128256 bf16 that took 1139-1141 us against the Triton kernel's 1331 (a clone of the logits:
+983-986), with DRAM traffic at one read and one write (2.12 GB read for 2.10 GB of logits) and L2 81% busy
+(the Triton kernel: 2.26 GB, 73%) (benchmarks/results/2026-11-30-h200/ce-hopper).
 
 It takes what it was built and measured for: contiguous bf16/fp16 logits whose vocabulary is a multiple
 of 32 (the TMA view), without label smoothing, with a gradient, at least ROWS_PER_SM rows an SM, on a
@@ -36,23 +37,27 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fuselab.kernels._validate import INTERPRETED
 
 # Logits a chunk holds (16 KB of bf16), shared-memory slots (13 x 16 KB = 208 KB of the 227 KB an SM
-# has), slots whose chunk both walks use (the other 3 stream, enough to cover a DRAM load's latency).
-# Measured at 8192 x 128256 bf16: keep 10 of 13 took 1192 us, 9 1206, 8 1229, 7 1236, 11 1273 (too few
-# streaming slots); 4096-logit chunks (26 slots, keep 18 / 20 / 22): 1223 / 1233 / 1301; 16 compute warps
-# 1201 against 8 (ce-hopper/ce_keep2*.txt).
+# has), slots whose chunk both walks use (the others stream the rest), streamed chunks the compute warps
+# hold in registers for the gradient (so only the rest of the row is read twice), compute warps.
+# Measured at 8192 x 128256 bf16 (ce-hopper/ce_held-*.txt): keep 8 / hold 5: 1139-1141 us; 7 / 5 1133,
+# 7 / 6 1137, 8 / 6 1147, 9 / 5 1146-1147, 9 / 4 1144-1152, 10 / 6 (the whole row on chip, 3 slots to stream
+# with) 1178, 10 / 0 (nothing held) 1194, in the same runs; 16 compute warps 1141-1144. The held chunks'
+# code is unrolled (up to 8); with the kept slots' loops unrolled too, the kernel outgrew the instruction
+# cache (10 / 6: 2054 us, 11 / 4: 2117, 12 / 4: 1522).
 CHUNK = 8192
 _STAGES = 13
-_KEEP = 10
+_KEEP = 8
+_HELD = 5
 _WARPS = 8
 # Logits a running (max, sum) covers (one 16-byte load), targets one step of the "mean" count reads.
 _LANE = 8
 _COUNT_BLOCK = 1024
 # Registers a thread of each load warp asks for (setmaxnreg): the compute warps take the rest.
 _LOAD_REGS = 24
-# From 12 rows an SM on (ce-hopper/ce_rows.txt): the Triton kernel was faster up to 1056 rows (8 an SM:
-# 181-183 against 178.5-178.7 us; 528 rows: 97-99 against 94-95), this one from 2048 (15.5 an SM: 332-333
-# against 342-343; 8192 rows: 1195-1198 against 1331).
-ROWS_PER_SM = 12
+# From 7 rows an SM on (ce-hopper/ce_rows-2.txt, both timed twice in one run): the Triton kernel was
+# faster at 792 rows (6 an SM: 136.7-137.4 against 138.1-139.7 us) and 528, this one from 1024 (7.8 an SM:
+# 174.5-174.7 against 177.7-178.1; 1320: 209.7 against 221.2; 8192: 1147-1148 against 1331).
+ROWS_PER_SM = 7
 
 # --------------------------------------------------------------------------------------------
 # Gluon kernel
@@ -60,11 +65,11 @@ ROWS_PER_SM = 12
 
 
 @gluon.jit
-def _keep_loads(desc, ring, ready, free, pid, programs, my_rows, keep, segs_per_row, R: gl.constexpr):
+def _keep_loads(desc, ring, ready, free, pid, programs, my_rows, segs_per_row, R: gl.constexpr, KEEP: gl.constexpr):
     """Load warp: chunk i of each row into slot i, once the last row's gradient has freed it."""
     for row_i in range(my_rows):
         row = pid + row_i * programs
-        for i in range(keep):
+        for i in range(KEEP):
             # A fresh barrier counts the phase before its first as complete: the first row does not wait.
             mbarrier.wait(free.index(i), (row_i & 1) ^ 1)
             mbarrier.expect(ready.index(i), desc.block_type.nbytes)
@@ -72,16 +77,17 @@ def _keep_loads(desc, ring, ready, free, pid, programs, my_rows, keep, segs_per_
 
 
 @gluon.jit
-def _stream_loads(desc, ring, ready, free, pid, programs, my_rows, keep, n_chunks, segs_per_row,
-                  R: gl.constexpr, KEEP: gl.constexpr, STAGES: gl.constexpr):
-    """Load warp: chunks keep..C-1 of each row twice (one per walk) through slots KEEP..STAGES-1 in turn."""
+def _stream_loads(desc, ring, ready, free, pid, programs, my_rows, n_chunks, segs_per_row,
+                  R: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr, STAGES: gl.constexpr):
+    """Load warp: chunks KEEP..C-1 of each row for the first walk, then KEEP+HELD..C-1 again for the
+    gradient's, through slots KEEP..STAGES-1 in turn."""
     streams: gl.constexpr = STAGES - KEEP
-    n_stream = n_chunks - keep
+    n_stream = n_chunks - KEEP
     k = 0
     for row_i in range(my_rows):
         row = pid + row_i * programs
-        for j in range(2 * n_stream):
-            c = keep + j % n_stream
+        for j in range(2 * n_stream - HELD):
+            c = KEEP + gl.where(j < n_stream, j, j - n_stream + HELD)
             s = KEEP + k % streams
             mbarrier.wait(free.index(s), ((k // streams) & 1) ^ 1)
             mbarrier.expect(ready.index(s), desc.block_type.nbytes)
@@ -95,6 +101,19 @@ def _read_slot(ring, s, layout: gl.constexpr, CHUNK: gl.constexpr, LANE: gl.cons
     unswizzled, so this is the same bytes in row-major order)."""
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     return ring.index(s)._reinterpret(ring.dtype, [CHUNK // LANE, LANE], flat).load(layout)
+
+
+@gluon.jit
+def _take_streamed(ring, ready, free, k, layout: gl.constexpr, CHUNK: gl.constexpr, LANE: gl.constexpr,
+                   KEEP: gl.constexpr, STAGES: gl.constexpr):
+    """The k-th streamed chunk into registers, its slot handed back to the load warp."""
+    streams: gl.constexpr = STAGES - KEEP
+    s = KEEP + k % streams
+    mbarrier.wait(ready.index(s), (k // streams) & 1)
+    x = _read_slot(ring, s, layout, CHUNK, LANE)
+    gl.thread_barrier()  # every compute warp has read the slot
+    mbarrier.arrive(free.index(s), count=1)
+    return x
 
 
 @gluon.jit
@@ -119,10 +138,9 @@ def _write_grad(x, c, offs, bias, valid, grad_row, n_vocab, CHUNK: gl.constexpr)
 
 @gluon.jit
 def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, row_loss_ptr, grad_ptr,
-             n_rows, n_vocab, ignore_index, pid, programs, my_rows, n_chunks, keep,
-             MEAN: gl.constexpr, CHUNK: gl.constexpr, LANE: gl.constexpr, KEEP: gl.constexpr,
+             n_rows, n_vocab, ignore_index, pid, programs, my_rows, n_chunks,
+             MEAN: gl.constexpr, CHUNK: gl.constexpr, LANE: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr,
              STAGES: gl.constexpr, COUNT_BLOCK: gl.constexpr, num_warps: gl.constexpr):
-    streams: gl.constexpr = STAGES - KEEP
     layout: gl.constexpr = gl.BlockedLayout([1, LANE], [32, 1], [num_warps, 1], [1, 0])
     lane_layout: gl.constexpr = gl.SliceLayout(1, layout)
     offs = gl.arange(0, CHUNK // LANE, layout=lane_layout)[:, None] * LANE + \
@@ -141,7 +159,7 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
         scale = 1.0 / gl.sum(count, axis=0)
     log2_scale = gl.log2(scale)
 
-    n_stream = n_chunks - keep
+    n_stream = n_chunks - KEEP
     k = 0  # streamed chunks consumed so far
     for row_i in range(my_rows):
         row = (pid + row_i * programs).to(gl.int64)
@@ -154,15 +172,37 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
 
         lane_m = gl.full([CHUNK // LANE], float("-inf"), gl.float32, layout=lane_layout)
         lane_s = gl.zeros([CHUNK // LANE], gl.float32, layout=lane_layout)
-        for j in range(n_stream):
-            s = KEEP + k % streams
-            mbarrier.wait(ready.index(s), (k // streams) & 1)
-            x = _read_slot(ring, s, layout, CHUNK, LANE)
-            gl.thread_barrier()  # every compute warp has read the slot
-            mbarrier.arrive(free.index(s), count=1)
-            lane_m, lane_s = _fold(x, keep + j, offs, n_vocab, lane_m, lane_s, CHUNK)
+        # The first HELD streamed chunks stay in registers for the gradient (up to four).
+        if HELD > 0:
+            h0 = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h0, KEEP, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 1:
+            h1 = _take_streamed(ring, ready, free, k + 1, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h1, KEEP + 1, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 2:
+            h2 = _take_streamed(ring, ready, free, k + 2, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h2, KEEP + 2, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 3:
+            h3 = _take_streamed(ring, ready, free, k + 3, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h3, KEEP + 3, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 4:
+            h4 = _take_streamed(ring, ready, free, k + 4, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h4, KEEP + 4, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 5:
+            h5 = _take_streamed(ring, ready, free, k + 5, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h5, KEEP + 5, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 6:
+            h6 = _take_streamed(ring, ready, free, k + 6, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h6, KEEP + 6, offs, n_vocab, lane_m, lane_s, CHUNK)
+        if HELD > 7:
+            h7 = _take_streamed(ring, ready, free, k + 7, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(h7, KEEP + 7, offs, n_vocab, lane_m, lane_s, CHUNK)
+        k += HELD
+        for j in range(HELD, n_stream):
+            x = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(x, KEEP + j, offs, n_vocab, lane_m, lane_s, CHUNK)
             k += 1
-        for i in range(keep):
+        for i in range(KEEP):
             mbarrier.wait(ready.index(i), row_i & 1)
             lane_m, lane_s = _fold(_read_slot(ring, i, layout, CHUNK, LANE), i, offs, n_vocab, lane_m, lane_s, CHUNK)
         row_max = gl.max(lane_m, axis=0)
@@ -173,15 +213,27 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
         # exp(x - lse) · scale = exp2(x · log2e - (lse · log2e - log2(scale)))
         bias = lse * log2e - log2_scale
         grad_row = grad_ptr + row * n_vocab
-        for j in range(n_stream):
-            s = KEEP + k % streams
-            mbarrier.wait(ready.index(s), (k // streams) & 1)
-            x = _read_slot(ring, s, layout, CHUNK, LANE)
-            gl.thread_barrier()
-            mbarrier.arrive(free.index(s), count=1)
-            _write_grad(x, keep + j, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 0:
+            _write_grad(h0, KEEP, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 1:
+            _write_grad(h1, KEEP + 1, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 2:
+            _write_grad(h2, KEEP + 2, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 3:
+            _write_grad(h3, KEEP + 3, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 4:
+            _write_grad(h4, KEEP + 4, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 5:
+            _write_grad(h5, KEEP + 5, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 6:
+            _write_grad(h6, KEEP + 6, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        if HELD > 7:
+            _write_grad(h7, KEEP + 7, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        for j in range(HELD, n_stream):
+            x = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
+            _write_grad(x, KEEP + j, offs, bias, valid, grad_row, n_vocab, CHUNK)
             k += 1
-        for i in range(keep):
+        for i in range(KEEP):
             x = _read_slot(ring, i, layout, CHUNK, LANE)
             gl.thread_barrier()
             mbarrier.arrive(free.index(i), count=1)
@@ -197,11 +249,12 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
 def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, row_loss_ptr, grad_ptr,
                                  n_rows, n_vocab, ignore_index,
                                  MEAN: gl.constexpr, CHUNK: gl.constexpr, SEG: gl.constexpr,
-                                 STAGES: gl.constexpr, KEEP: gl.constexpr, LANE: gl.constexpr,
+                                 STAGES: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr, LANE: gl.constexpr,
                                  COUNT_BLOCK: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Grid: one program an SM (at most one a row), rows pid, pid + programs, ... `desc` views the logits
     as [rows · vocab / SEG, SEG]: a chunk is CHUNK / SEG of its rows (the last chunk of a row runs into the
-    next row, or past the end, where TMA fills zeros: both masked)."""
+    next row, or past the end, where TMA fills zeros: both masked). KEEP and HELD are at most the row's
+    chunks and the streamed ones (`_plan`)."""
     R: gl.constexpr = CHUNK // SEG
     ring = gl.allocate_shared_memory(desc.dtype, [STAGES, R, SEG], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -213,16 +266,15 @@ def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, ro
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     n_chunks = gl.cdiv(n_vocab, CHUNK)
-    keep = gl.minimum(n_chunks, KEEP)
     my_rows = gl.cdiv(gl.maximum(n_rows - pid, 0), programs)
     segs_per_row = n_vocab // SEG
     gl.warp_specialize([
         (_compute, (ring, ready, free, logits_ptr, n_vocab, target_ptr, target_stride, row_loss_ptr, grad_ptr,
-                    n_rows, n_vocab, ignore_index, pid, programs, my_rows, n_chunks, keep,
-                    MEAN, CHUNK, LANE, KEEP, STAGES, COUNT_BLOCK, num_warps)),
-        (_keep_loads, (desc, ring, ready, free, pid, programs, my_rows, keep, segs_per_row, R)),
-        (_stream_loads, (desc, ring, ready, free, pid, programs, my_rows, keep, n_chunks, segs_per_row,
-                         R, KEEP, STAGES)),
+                    n_rows, n_vocab, ignore_index, pid, programs, my_rows, n_chunks,
+                    MEAN, CHUNK, LANE, KEEP, HELD, STAGES, COUNT_BLOCK, num_warps)),
+        (_keep_loads, (desc, ring, ready, free, pid, programs, my_rows, segs_per_row, R, KEEP)),
+        (_stream_loads, (desc, ring, ready, free, pid, programs, my_rows, n_chunks, segs_per_row,
+                         R, KEEP, HELD, STAGES)),
     ], [1, 1], [LOAD_REGS, LOAD_REGS])
 
 
@@ -245,6 +297,13 @@ def _segment(n_vocab: int) -> int | None:
         if n_vocab % seg == 0:
             return seg
     return None
+
+
+def _plan(n_vocab: int, keep: int, held: int) -> tuple[int, int]:
+    """(chunks kept in shared memory, streamed chunks held in registers) for a row of n_vocab logits."""
+    n_chunks = -(-n_vocab // CHUNK)
+    keep = min(keep, n_chunks)
+    return keep, min(held, n_chunks - keep, 8)
 
 
 def supports(logits: torch.Tensor, label_smoothing: float, sms: int) -> bool:
@@ -272,8 +331,9 @@ def cross_entropy_hopper(logits: torch.Tensor, target: torch.Tensor, row_loss: t
     flat = logits.view(-1, seg)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [CHUNK // seg, seg], layout)
+    keep, held = _plan(n_vocab, _KEEP, _HELD)
     _cross_entropy_hopper_kernel[(min(n_rows, sms),)](
         desc, logits, target, target.stride(0), row_loss, grad, n_rows, n_vocab, ignore_index,
-        MEAN=mean, CHUNK=CHUNK, SEG=seg, STAGES=_STAGES, KEEP=_KEEP, LANE=_LANE, COUNT_BLOCK=_COUNT_BLOCK,
-        LOAD_REGS=_LOAD_REGS, num_warps=_WARPS,
+        MEAN=mean, CHUNK=CHUNK, SEG=seg, STAGES=_STAGES, KEEP=keep, HELD=held, LANE=_LANE,
+        COUNT_BLOCK=_COUNT_BLOCK, LOAD_REGS=_LOAD_REGS, num_warps=_WARPS,
     )
