@@ -172,7 +172,8 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
 
         lane_m = gl.full([CHUNK // LANE], float("-inf"), gl.float32, layout=lane_layout)
         lane_s = gl.zeros([CHUNK // LANE], gl.float32, layout=lane_layout)
-        # The first HELD streamed chunks stay in registers for the gradient (up to four).
+        # The first HELD streamed chunks stay in registers for the gradient (up to eight, one block each:
+        # registers cannot be indexed).
         if HELD > 0:
             h0 = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
             lane_m, lane_s = _fold(h0, KEEP, offs, n_vocab, lane_m, lane_s, CHUNK)
@@ -284,8 +285,10 @@ def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, ro
 
 
 def _gluon_api_matches() -> bool:
-    # Gluon is experimental: its warp_specialize took this form in Triton 3.6 and changes across releases.
-    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+    # Gluon is experimental: its warp_specialize took this form in Triton 3.6 and changes across releases,
+    # and a slot is read back through the (private) reinterpretation of a shared-memory view.
+    return ("functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+            and hasattr(gl.shared_memory_descriptor, "_reinterpret"))
 
 
 _API_MATCHES = _gluon_api_matches()
