@@ -34,6 +34,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from fuselab.kernels._launch import cdiv
 from fuselab.kernels._validate import INTERPRETED
 
 # Logits a chunk holds (16 KB of bf16), shared-memory slots (13 x 16 KB = 208 KB of the 227 KB an SM
@@ -42,7 +43,7 @@ from fuselab.kernels._validate import INTERPRETED
 # Measured at 8192 x 128256 bf16 (ce-hopper/ce_held-*.txt): keep 8 / hold 5: 1139-1141 us; 7 / 5 1133,
 # 7 / 6 1137, 8 / 6 1147, 9 / 5 1146-1147, 9 / 4 1144-1152, 10 / 6 (the whole row on chip, 3 slots to stream
 # with) 1178, 10 / 0 (nothing held) 1194, in the same runs; 16 compute warps 1141-1144. The held chunks'
-# code is unrolled (up to 8); with the kept slots' loops unrolled too, the kernel outgrew the instruction
+# code is unrolled; with the kept slots' loops unrolled too, the kernel outgrew the instruction
 # cache (10 / 6: 2054 us, 11 / 4: 2117, 12 / 4: 1522).
 CHUNK = 8192
 _STAGES = 13
@@ -172,32 +173,13 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
 
         lane_m = gl.full([CHUNK // LANE], float("-inf"), gl.float32, layout=lane_layout)
         lane_s = gl.zeros([CHUNK // LANE], gl.float32, layout=lane_layout)
-        # The first HELD streamed chunks stay in registers for the gradient (up to eight, one block each:
-        # registers cannot be indexed).
-        if HELD > 0:
-            h0 = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h0, KEEP, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 1:
-            h1 = _take_streamed(ring, ready, free, k + 1, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h1, KEEP + 1, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 2:
-            h2 = _take_streamed(ring, ready, free, k + 2, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h2, KEEP + 2, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 3:
-            h3 = _take_streamed(ring, ready, free, k + 3, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h3, KEEP + 3, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 4:
-            h4 = _take_streamed(ring, ready, free, k + 4, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h4, KEEP + 4, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 5:
-            h5 = _take_streamed(ring, ready, free, k + 5, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h5, KEEP + 5, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 6:
-            h6 = _take_streamed(ring, ready, free, k + 6, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h6, KEEP + 6, offs, n_vocab, lane_m, lane_s, CHUNK)
-        if HELD > 7:
-            h7 = _take_streamed(ring, ready, free, k + 7, layout, CHUNK, LANE, KEEP, STAGES)
-            lane_m, lane_s = _fold(h7, KEEP + 7, offs, n_vocab, lane_m, lane_s, CHUNK)
+        # The first HELD streamed chunks stay in registers for the gradient (a tuple, unrolled: registers
+        # cannot be indexed at run time).
+        held = ()
+        for j in gl.static_range(HELD):
+            x = _take_streamed(ring, ready, free, k + j, layout, CHUNK, LANE, KEEP, STAGES)
+            lane_m, lane_s = _fold(x, KEEP + j, offs, n_vocab, lane_m, lane_s, CHUNK)
+            held = held + (x,)
         k += HELD
         for j in range(HELD, n_stream):
             x = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
@@ -214,22 +196,8 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
         # exp(x - lse) · scale = exp2(x · log2e - (lse · log2e - log2(scale)))
         bias = lse * log2e - log2_scale
         grad_row = grad_ptr + row * n_vocab
-        if HELD > 0:
-            _write_grad(h0, KEEP, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 1:
-            _write_grad(h1, KEEP + 1, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 2:
-            _write_grad(h2, KEEP + 2, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 3:
-            _write_grad(h3, KEEP + 3, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 4:
-            _write_grad(h4, KEEP + 4, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 5:
-            _write_grad(h5, KEEP + 5, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 6:
-            _write_grad(h6, KEEP + 6, offs, bias, valid, grad_row, n_vocab, CHUNK)
-        if HELD > 7:
-            _write_grad(h7, KEEP + 7, offs, bias, valid, grad_row, n_vocab, CHUNK)
+        for j in gl.static_range(HELD):
+            _write_grad(held[j], KEEP + j, offs, bias, valid, grad_row, n_vocab, CHUNK)
         for j in range(HELD, n_stream):
             x = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
             _write_grad(x, KEEP + j, offs, bias, valid, grad_row, n_vocab, CHUNK)
@@ -304,9 +272,9 @@ def _segment(n_vocab: int) -> int | None:
 
 def _plan(n_vocab: int, keep: int, held: int) -> tuple[int, int]:
     """(chunks kept in shared memory, streamed chunks held in registers) for a row of n_vocab logits."""
-    n_chunks = -(-n_vocab // CHUNK)
+    n_chunks = cdiv(n_vocab, CHUNK)
     keep = min(keep, n_chunks)
-    return keep, min(held, n_chunks - keep, 8)
+    return keep, min(held, n_chunks - keep)
 
 
 def supports(logits: torch.Tensor, label_smoothing: float, sms: int) -> bool:
