@@ -15,9 +15,12 @@ became the limit. Here most of a row is read from DRAM into shared memory once a
 - the compute warps fold each chunk into per-lane running (max, sum of exponentials), then write the
   gradient chunk by chunk. Both walks take the streamed chunks first, so the next row's streamed chunks
   are already arriving while this row's kept ones are still in use.
-At 8192 x 128256 bf16 that took 1139-1141 us against the Triton kernel's 1331 (a clone of the logits:
-983-986), with DRAM traffic at one read and one write (2.12 GB read for 2.10 GB of logits) and L2 81% busy
-(the Triton kernel: 2.26 GB, 73%) (benchmarks/results/2026-11-30-h200/ce-hopper).
+At 8192 x 128256 bf16 that took 1107-1126 us against the Triton kernel's 1331 (a clone of the logits:
+983-991), with DRAM traffic at one read and one write (2.11 GB read for 2.10 GB of logits) and L2 84% busy
+(the Triton kernel: 2.26 GB, 73%) (benchmarks/results/2026-11-30-h200/ce-hopper). What is left is mostly the
+data movement itself: copying the logits with this kernel's scheme (one program an SM, chunks by TMA
+through shared memory, plain stores) took 1065-1091 us however it was arranged (copy_probe-*.txt), with
+no exponential at all this kernel took 1097-1099.
 
 It takes what it was built and measured for: contiguous bf16/fp16 logits whose vocabulary is a multiple
 of 32 (the TMA view), without label smoothing, with a gradient, at least ROWS_PER_SM rows an SM, on a
@@ -37,17 +40,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from fuselab.kernels._launch import cdiv
 from fuselab.kernels._validate import INTERPRETED
 
-# Logits a chunk holds (16 KB of bf16), shared-memory slots (13 x 16 KB = 208 KB of the 227 KB an SM
+# Logits a chunk holds (16 KB of bf16), shared-memory slots (14 x 16 KB = 224 KB of the 227 KB an SM
 # has), slots whose chunk both walks use (the others stream the rest), streamed chunks the compute warps
 # hold in registers for the gradient (so only the rest of the row is read twice), compute warps.
-# Measured at 8192 x 128256 bf16 (ce-hopper/ce_held-*.txt): keep 8 / hold 5: 1139-1141 us; 7 / 5 1133,
-# 7 / 6 1137, 8 / 6 1147, 9 / 5 1146-1147, 9 / 4 1144-1152, 10 / 6 (the whole row on chip, 3 slots to stream
-# with) 1178, 10 / 0 (nothing held) 1194, in the same runs; 16 compute warps 1141-1144. The held chunks'
-# code is unrolled; with the kept slots' loops unrolled too, the kernel outgrew the instruction
-# cache (10 / 6: 2054 us, 11 / 4: 2117, 12 / 4: 1522).
+# Measured at 8192 x 128256 bf16: with 13 slots (ce-hopper/ce_held-*.txt) keep 8 / hold 5 took 1139-1141 us,
+# 7 / 5 1133, 8 / 6 1147, 9 / 5 1146-1147, 10 / 6 (the whole row on chip, 3 slots to stream with) 1178,
+# 10 / 0 (nothing held) 1194; 16 compute warps 1141-1144. With a 14th slot (ce-hopper/ce_slots-*.txt, kept
+# slots read one ahead, plain stores): keep 9 / hold 5 1107-1110, 8 / 5 1110-1115, 7 / 5 1117, 9 / 4 1122; with
+# evict-first stores 8 / 5 1117-1126, 7 / 5 1121, 6 / 6 1121, 9 / 6 (only the partial last chunk read twice)
+# 1138, 10 / 6 1130. The held chunks' code is unrolled; with the kept slots' loops unrolled too, the kernel
+# outgrew the instruction cache (10 / 6: 2054 us, 11 / 4: 2117, 12 / 4: 1522).
 CHUNK = 8192
-_STAGES = 13
-_KEEP = 8
+_STAGES = 14
+_KEEP = 9
 _HELD = 5
 _WARPS = 8
 # Logits a running (max, sum) covers (one 16-byte load), targets one step of the "mean" count reads.
@@ -55,10 +60,10 @@ _LANE = 8
 _COUNT_BLOCK = 1024
 # Registers a thread of each load warp asks for (setmaxnreg): the compute warps take the rest.
 _LOAD_REGS = 24
-# From 7 rows an SM on (ce-hopper/ce_rows-2.txt, both timed twice in one run): the Triton kernel was
-# faster at 792 rows (6 an SM: 136.7-137.4 against 138.1-139.7 us) and 528, this one from 1024 (7.8 an SM:
-# 174.5-174.7 against 177.7-178.1; 1320: 209.7 against 221.2; 8192: 1147-1148 against 1331).
-ROWS_PER_SM = 7
+# From 3 rows an SM on (ce-hopper/ce_rows-4.txt, both timed twice in one run): the Triton kernel was faster
+# at 264 rows (2 an SM: 51.6-52.0 against 52.7-54.1 us), this one from 396 (3 an SM: 70.9-71.5 against
+# 73.9-74.3; 528: 92.3-93.2 against 94.2-95.4; 1024: 166.3-166.9 against 176.4-177.9; 8192: 1126 against 1333).
+ROWS_PER_SM = 3
 
 # --------------------------------------------------------------------------------------------
 # Gluon kernel
@@ -131,10 +136,11 @@ def _fold(x, c, offs, n_vocab, lane_m, lane_s, CHUNK: gl.constexpr):
 
 @gluon.jit
 def _write_grad(x, c, offs, bias, valid, grad_row, n_vocab, CHUNK: gl.constexpr):
-    """softmax · scale = exp2(x · log2e - bias) for chunk c (0 on an ignored row); streaming stores."""
+    """softmax · scale = exp2(x · log2e - bias) for chunk c (0 on an ignored row). Plain stores: marked
+    evict-first (.cs) they took 7-11 us longer at 8192 x 128256 (ce-hopper/ce_slots-*.txt)."""
     cols = c * CHUNK + offs
     g = gl.where(valid, gl.exp2(x.to(gl.float32) * 1.4426950408889634 - bias), 0.0)
-    gl.store(grad_row + cols, g.to(grad_row.dtype.element_ty), mask=cols < n_vocab, cache_modifier=".cs")
+    gl.store(grad_row + cols, g.to(grad_row.dtype.element_ty), mask=cols < n_vocab)
 
 
 @gluon.jit
@@ -185,9 +191,16 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
             x = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
             lane_m, lane_s = _fold(x, KEEP + j, offs, n_vocab, lane_m, lane_s, CHUNK)
             k += 1
-        for i in range(KEEP):
+        # Kept slots are read one ahead of the chunk being folded (and below, written), so the shared-memory
+        # latency overlaps the exponentials.
+        mbarrier.wait(ready.index(0), row_i & 1)
+        x = _read_slot(ring, 0, layout, CHUNK, LANE)
+        for i in range(1, KEEP):
             mbarrier.wait(ready.index(i), row_i & 1)
-            lane_m, lane_s = _fold(_read_slot(ring, i, layout, CHUNK, LANE), i, offs, n_vocab, lane_m, lane_s, CHUNK)
+            x_next = _read_slot(ring, i, layout, CHUNK, LANE)
+            lane_m, lane_s = _fold(x, i - 1, offs, n_vocab, lane_m, lane_s, CHUNK)
+            x = x_next
+        lane_m, lane_s = _fold(x, KEEP - 1, offs, n_vocab, lane_m, lane_s, CHUNK)
         row_max = gl.max(lane_m, axis=0)
         shift = gl.where(row_max == float("-inf"), 0.0, row_max)
         lse = shift + gl.log(gl.sum(lane_s * gl.exp2((lane_m - shift) * log2e), axis=0))
@@ -202,11 +215,16 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
             x = _take_streamed(ring, ready, free, k, layout, CHUNK, LANE, KEEP, STAGES)
             _write_grad(x, KEEP + j, offs, bias, valid, grad_row, n_vocab, CHUNK)
             k += 1
-        for i in range(KEEP):
-            x = _read_slot(ring, i, layout, CHUNK, LANE)
+        x = _read_slot(ring, 0, layout, CHUNK, LANE)
+        gl.thread_barrier()  # every compute warp has read the slot
+        mbarrier.arrive(free.index(0), count=1)
+        for i in range(1, KEEP):
+            x_next = _read_slot(ring, i, layout, CHUNK, LANE)
+            _write_grad(x, i - 1, offs, bias, valid, grad_row, n_vocab, CHUNK)
             gl.thread_barrier()
             mbarrier.arrive(free.index(i), count=1)
-            _write_grad(x, i, offs, bias, valid, grad_row, n_vocab, CHUNK)
+            x = x_next
+        _write_grad(x, KEEP - 1, offs, bias, valid, grad_row, n_vocab, CHUNK)
         # The target's logit: its gradient less `scale`, stored after every compute warp's stores of the row
         # (one scalar store instead of a compare per logit).
         gl.thread_barrier()
