@@ -6,7 +6,8 @@ kernel walks every 256 KB row (128256 bf16 logits) twice, the second time from L
 then close to one read and one write, but L2 serves the row three times (two reads, one write) and
 became the limit. Here most of a row is read from DRAM into shared memory once and used by both walks:
 
-- a program (one an SM) takes rows in turn; a row is C chunks of CHUNK logits;
+- a program (one an SM) takes rows one after another from a counter in global memory, so all SMs move
+  through the logits together; a row is C chunks of CHUNK logits;
 - chunks 0..keep-1 go once into `keep` slots of shared memory (one warp loads them by TMA, the next
   row's chunk i as soon as this row's gradient has read slot i);
 - chunks keep..C-1 stream through the remaining slots (a second warp loads them, ahead of use); the
@@ -15,12 +16,12 @@ became the limit. Here most of a row is read from DRAM into shared memory once a
 - the compute warps fold each chunk into per-lane running (max, sum of exponentials), then write the
   gradient chunk by chunk. Both walks take the streamed chunks first, so the next row's streamed chunks
   are already arriving while this row's kept ones are still in use.
-At 8192 x 128256 bf16 that took 1107-1126 us against the Triton kernel's 1331 (a clone of the logits:
-983-991), with DRAM traffic at one read and one write (2.11 GB read for 2.10 GB of logits) and L2 84% busy
-(the Triton kernel: 2.26 GB, 73%) (benchmarks/results/2026-11-30-h200/ce-hopper). What is left is mostly the
-data movement itself: copying the logits with this kernel's scheme (one program an SM, chunks by TMA
-through shared memory, plain stores) took 1065-1091 us however it was arranged (copy_probe-*.txt), with
-no exponential at all this kernel took 1097-1099.
+At 8192 x 128256 bf16 that takes 1066-1075 us against the Triton kernel's 1331 (a clone of the logits:
+985-989); its DRAM traffic is one read and one write (2.11 GB read for 2.10 GB of logits, ncu before the
+counter). The counter is what brought it there: with rows dealt out in a fixed order (pid, pid + programs,
+...) the programs drift apart and their traffic spreads over ever more of the tensor; so dealt, this kernel
+took 1127-1130 us, and a plain copy of the logits by programs that stay on their SMs took 1065-1092 us
+against 1005-1010 with a counter (benchmarks/results/2026-11-30-h200/ce-hopper, sections 7-8).
 
 It takes what it was built and measured for: contiguous bf16/fp16 logits whose vocabulary is a multiple
 of 32 (the TMA view), without label smoothing, with a gradient, at least ROWS_PER_SM rows an SM, on a
@@ -60,10 +61,10 @@ _LANE = 8
 _COUNT_BLOCK = 1024
 # Registers a thread of each load warp asks for (setmaxnreg): the compute warps take the rest.
 _LOAD_REGS = 24
-# From 3 rows an SM on (ce-hopper/ce_rows-4.txt, both timed twice in one run): the Triton kernel was faster
-# at 264 rows (2 an SM: 51.6-52.0 against 52.7-54.1 us), this one from 396 (3 an SM: 70.9-71.5 against
-# 73.9-74.3; 528: 92.3-93.2 against 94.2-95.4; 1024: 166.3-166.9 against 176.4-177.9; 8192: 1126 against 1333).
-ROWS_PER_SM = 3
+# From 7 rows an SM on (ce-hopper/ce_rows-5.txt, both timed twice in one run, the counter's zeroing
+# included): the Triton kernel was faster at 264 and 396 rows (3 an SM: 73.3 against 75.0-75.7 us), even at
+# 528 (94.5-96.1 against 95.4-96.3), this one at 1024 (165.7-166.0 against 176.4-178.0) and 8192 (1074 against 1332).
+ROWS_PER_SM = 7
 
 # --------------------------------------------------------------------------------------------
 # Gluon kernel
@@ -71,27 +72,52 @@ ROWS_PER_SM = 3
 
 
 @gluon.jit
-def _keep_loads(desc, ring, ready, free, pid, programs, my_rows, segs_per_row, R: gl.constexpr, KEEP: gl.constexpr):
-    """Load warp: chunk i of each row into slot i, once the last row's gradient has freed it."""
-    for row_i in range(my_rows):
-        row = pid + row_i * programs
+def _publish_row(rows, row_ready, row_i, row, D: gl.constexpr):
+    """The program's row_i-th row (from the counter) into its shared-memory slot, for the other partitions."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    rows.index(row_i % D).store(gl.full([1], row, gl.int32, layout))
+    gl.thread_barrier()
+    mbarrier.arrive(row_ready.index(row_i % D), count=1)
+
+
+@gluon.jit
+def _next_row(rows, row_ready, row_i, D: gl.constexpr, WARPS: gl.constexpr):
+    """The program's row_i-th row, once the load warp that takes rows from the counter has published it."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    mbarrier.wait(row_ready.index(row_i % D), (row_i // D) & 1)
+    return gl.max(rows.index(row_i % D).load(layout), axis=0)
+
+
+@gluon.jit
+def _keep_loads(desc, ring, ready, free, rows, row_ready, counter_ptr, n_rows, segs_per_row, R: gl.constexpr,
+                KEEP: gl.constexpr, D: gl.constexpr):
+    """Load warp: takes the program's rows from the counter (all programs move through the rows together)
+    and loads chunk i of each into slot i, once the last row's gradient has freed it."""
+    row_i = 0
+    row = gl.atomic_add(counter_ptr, 1)
+    _publish_row(rows, row_ready, row_i, row, D)
+    while row < n_rows:
         for i in range(KEEP):
             # A fresh barrier counts the phase before its first as complete: the first row does not wait.
             mbarrier.wait(free.index(i), (row_i & 1) ^ 1)
             mbarrier.expect(ready.index(i), desc.block_type.nbytes)
             tma.async_copy_global_to_shared(desc, [row * segs_per_row + i * R, 0], ready.index(i), ring.index(i))
+        row_i += 1
+        row = gl.atomic_add(counter_ptr, 1)
+        _publish_row(rows, row_ready, row_i, row, D)
 
 
 @gluon.jit
-def _stream_loads(desc, ring, ready, free, pid, programs, my_rows, n_chunks, segs_per_row,
-                  R: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr, STAGES: gl.constexpr):
+def _stream_loads(desc, ring, ready, free, rows, row_ready, n_rows, n_chunks, segs_per_row,
+                  R: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr):
     """Load warp: chunks KEEP..C-1 of each row for the first walk, then KEEP+HELD..C-1 again for the
     gradient's, through slots KEEP..STAGES-1 in turn."""
     streams: gl.constexpr = STAGES - KEEP
     n_stream = n_chunks - KEEP
     k = 0
-    for row_i in range(my_rows):
-        row = pid + row_i * programs
+    row_i = 0
+    row = _next_row(rows, row_ready, row_i, D, 1)
+    while row < n_rows:
         for j in range(2 * n_stream - HELD):
             c = KEEP + gl.where(j < n_stream, j, j - n_stream + HELD)
             s = KEEP + k % streams
@@ -99,6 +125,8 @@ def _stream_loads(desc, ring, ready, free, pid, programs, my_rows, n_chunks, seg
             mbarrier.expect(ready.index(s), desc.block_type.nbytes)
             tma.async_copy_global_to_shared(desc, [row * segs_per_row + c * R, 0], ready.index(s), ring.index(s))
             k += 1
+        row_i += 1
+        row = _next_row(rows, row_ready, row_i, D, 1)
 
 
 @gluon.jit
@@ -144,8 +172,8 @@ def _write_grad(x, c, offs, bias, valid, grad_row, n_vocab, CHUNK: gl.constexpr)
 
 
 @gluon.jit
-def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, row_loss_ptr, grad_ptr,
-             n_rows, n_vocab, ignore_index, pid, programs, my_rows, n_chunks,
+def _compute(ring, ready, free, rows, row_ready, logits_ptr, stride, target_ptr, target_stride, row_loss_ptr, grad_ptr,
+             n_rows, n_vocab, ignore_index, n_chunks, D: gl.constexpr,
              MEAN: gl.constexpr, CHUNK: gl.constexpr, LANE: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr,
              STAGES: gl.constexpr, COUNT_BLOCK: gl.constexpr, num_warps: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([1, LANE], [32, 1], [num_warps, 1], [1, 0])
@@ -168,8 +196,10 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
 
     n_stream = n_chunks - KEEP
     k = 0  # streamed chunks consumed so far
-    for row_i in range(my_rows):
-        row = (pid + row_i * programs).to(gl.int64)
+    row_i = 0
+    row32 = _next_row(rows, row_ready, row_i, D, num_warps)
+    while row32 < n_rows:
+        row = row32.to(gl.int64)
         target = gl.load(target_ptr + row * target_stride).to(gl.int64)
         valid = target != ignore_index
         # Targets outside [0, vocab) that are not ignore_index give a NaN loss, as in the Triton kernel.
@@ -230,15 +260,17 @@ def _compute(ring, ready, free, logits_ptr, stride, target_ptr, target_stride, r
         gl.thread_barrier()
         g_t = gl.exp2(x_t * log2e - bias) - scale
         gl.store(grad_row + target, g_t.to(grad_ptr.dtype.element_ty), mask=valid & in_vocab)
+        row_i += 1
+        row32 = _next_row(rows, row_ready, row_i, D, num_warps)
 
 
 @gluon.jit
-def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, row_loss_ptr, grad_ptr,
+def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, row_loss_ptr, grad_ptr, counter_ptr,
                                  n_rows, n_vocab, ignore_index,
                                  MEAN: gl.constexpr, CHUNK: gl.constexpr, SEG: gl.constexpr,
                                  STAGES: gl.constexpr, KEEP: gl.constexpr, HELD: gl.constexpr, LANE: gl.constexpr,
                                  COUNT_BLOCK: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Grid: one program an SM (at most one a row), rows pid, pid + programs, ... `desc` views the logits
+    """Grid: one program an SM (at most one a row), rows from `counter_ptr` (zeroed). `desc` views the logits
     as [rows · vocab / SEG, SEG]: a chunk is CHUNK / SEG of its rows (the last chunk of a row runs into the
     next row, or past the end, where TMA fills zeros: both masked). KEEP and HELD are at most the row's
     chunks and the streamed ones (`_plan`)."""
@@ -246,22 +278,26 @@ def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, ro
     ring = gl.allocate_shared_memory(desc.dtype, [STAGES, R, SEG], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Row numbers pass from the load warp that takes them to the other partitions through D slots: no
+    # partition runs more than two rows ahead of another (the chunk slots hold them back), so 4 never wrap.
+    D: gl.constexpr = 4
+    rows = gl.allocate_shared_memory(gl.int32, [D, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    row_ready = gl.allocate_shared_memory(gl.int64, [D, 1], mbarrier.MBarrierLayout())
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(free.index(slot), count=1)
+    for slot in gl.static_range(D):
+        mbarrier.init(row_ready.index(slot), count=1)
     fence_async_shared()
-    pid = gl.program_id(0)
-    programs = gl.num_programs(0)
     n_chunks = gl.cdiv(n_vocab, CHUNK)
-    my_rows = gl.cdiv(gl.maximum(n_rows - pid, 0), programs)
     segs_per_row = n_vocab // SEG
     gl.warp_specialize([
-        (_compute, (ring, ready, free, logits_ptr, n_vocab, target_ptr, target_stride, row_loss_ptr, grad_ptr,
-                    n_rows, n_vocab, ignore_index, pid, programs, my_rows, n_chunks,
+        (_compute, (ring, ready, free, rows, row_ready, logits_ptr, n_vocab, target_ptr, target_stride, row_loss_ptr,
+                    grad_ptr, n_rows, n_vocab, ignore_index, n_chunks, D,
                     MEAN, CHUNK, LANE, KEEP, HELD, STAGES, COUNT_BLOCK, num_warps)),
-        (_keep_loads, (desc, ring, ready, free, pid, programs, my_rows, segs_per_row, R, KEEP)),
-        (_stream_loads, (desc, ring, ready, free, pid, programs, my_rows, n_chunks, segs_per_row,
-                         R, KEEP, HELD, STAGES)),
+        (_keep_loads, (desc, ring, ready, free, rows, row_ready, counter_ptr, n_rows, segs_per_row, R, KEEP, D)),
+        (_stream_loads, (desc, ring, ready, free, rows, row_ready, n_rows, n_chunks, segs_per_row,
+                         R, KEEP, HELD, STAGES, D)),
     ], [1, 1], [LOAD_REGS, LOAD_REGS])
 
 
@@ -321,8 +357,11 @@ def cross_entropy_hopper(logits: torch.Tensor, target: torch.Tensor, row_loss: t
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [CHUNK // seg, seg], layout)
     keep, held = _plan(n_vocab, _KEEP, _HELD)
+    # One launch to zero it: a counter kept between calls would need resetting and one per stream.
+    counter = torch.zeros(1, dtype=torch.int32, device=logits.device)
     _cross_entropy_hopper_kernel[(min(n_rows, sms),)](
-        desc, logits, target, target.stride(0), row_loss, grad, n_rows, n_vocab, ignore_index,
+        desc, logits, target, target.stride(0), row_loss, grad, counter, n_rows, n_vocab, ignore_index,
         MEAN=mean, CHUNK=CHUNK, SEG=seg, STAGES=_STAGES, KEEP=keep, HELD=held, LANE=_LANE,
         COUNT_BLOCK=_COUNT_BLOCK, LOAD_REGS=_LOAD_REGS, num_warps=_WARPS,
     )
+

@@ -1,13 +1,14 @@
-"""How fast the Hopper kernel's data movement alone copies the logits (README section 7): a program an SM
+"""How fast the Hopper kernel's data movement alone copies the logits (README sections 7-8): a program an SM
 walking the rows in chunks, brought by TMA through a ring of shared-memory slots (one load warp) and written
 back by the compute warps (plain stores, or TMA stores from the slot); the same with Ampere-style cp.async
-and no warp specialization; loads straight into registers, from one program an SM up to one chunk a program.
-Each result is checked against the input, then timed beside torch's clone.
+and no warp specialization; loads straight into registers, from one program an SM up to one chunk a program;
+programs that stay on their SMs but take the next chunks from a counter in global memory. Each result is
+checked against the input, then timed beside torch's clone.
 
     PYTHONPATH=. python3 benchmarks/results/2026-11-30-h200/ce-hopper/copy_probe.py [ROWS ...]
 
-CONFIGS, CP_CONFIGS and DIRECT_CONFIGS hold the last run's settings (copy_probe-5.txt); the earlier outputs
-list theirs in each line."""
+CONFIGS, CP_CONFIGS, DIRECT_CONFIGS and COUNTER_CONFIGS hold the last run's settings (copy_probe-6.txt);
+the earlier outputs list theirs in each line."""
 import sys
 import torch
 from triton.experimental import gluon
@@ -135,6 +136,11 @@ def main():
             y = copy_direct(x, *cfg)
             assert torch.equal(y, x), cfg
             line(f"registers: chunk, in flight, programs an SM {cfg}", bench(lambda: copy_direct(x, *cfg), host_ahead=True).median_us)
+        for cfg in COUNTER_CONFIGS:
+            y = copy_counter(x, *cfg)
+            assert torch.equal(y, x), cfg
+            line(f"counter: chunk, in flight, programs an SM {cfg}", bench(lambda: copy_counter(x, *cfg), host_ahead=True).median_us)
+        line("zeroing a counter alone", bench(lambda: torch.zeros(1, dtype=torch.int32, device=x.device), host_ahead=True).median_us)
         line("clone again", bench(lambda: x.clone(), host_ahead=True).median_us)
 
 
@@ -218,7 +224,47 @@ def copy_direct(x, chunk, u, programs_per_sm):
     return out
 
 
-DIRECT_CONFIGS = [(8192, 2, 1), (8192, 4, 1), (4096, 4, 2), (2048, 2, 8), (8192, 1, 1000)]
+DIRECT_CONFIGS = [(8192, 4, 1), (4096, 4, 2), (8192, 1, 1000)]
+
+
+
+# ---- programs that stay on an SM but take the next U chunks from a global counter (all SMs move through the
+# tensor together, as a grid of short programs does) ----
+@gluon.jit
+def _counter_copy_kernel(x_ptr, out_ptr, counter_ptr, n_rows, n_vocab, CHUNK: gl.constexpr, U: gl.constexpr,
+                         num_warps: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
+    offs = gl.arange(0, CHUNK // 8, layout=gl.SliceLayout(1, layout))[:, None] * 8 + \
+        gl.arange(0, 8, layout=gl.SliceLayout(0, layout))[None, :]
+    n_chunks = gl.cdiv(n_vocab, CHUNK)
+    total = n_rows * n_chunks
+    g0 = gl.atomic_add(counter_ptr, U)
+    while g0 < total:
+        xs = ()
+        for u in gl.static_range(U):
+            g = g0 + u
+            row = (g // n_chunks).to(gl.int64)
+            cols = (g % n_chunks) * CHUNK + offs
+            xs = xs + (gl.load(x_ptr + row * n_vocab + cols, mask=(cols < n_vocab) & (g < total)),)
+        g_next = gl.atomic_add(counter_ptr, U)
+        for u in gl.static_range(U):
+            g = g0 + u
+            row = (g // n_chunks).to(gl.int64)
+            cols = (g % n_chunks) * CHUNK + offs
+            gl.store(out_ptr + row * n_vocab + cols, xs[u], mask=(cols < n_vocab) & (g < total))
+        g0 = g_next
+
+
+def copy_counter(x, chunk, u, programs_per_sm):
+    n_rows, n_vocab = x.shape
+    out = torch.empty_like(x)
+    counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    _counter_copy_kernel[(programs_per_sm * sms,)](x, out, counter, n_rows, n_vocab, CHUNK=chunk, U=u, num_warps=8)
+    return out
+
+
+COUNTER_CONFIGS = [(8192, 4, 1), (8192, 2, 2), (4096, 4, 2), (2048, 4, 4)]
 
 
 if __name__ == "__main__":
