@@ -25,7 +25,7 @@ from fuselab.engine.scheduler import Scheduler
 from fuselab.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from fuselab.engine.tokenizer import load_tokenizer
 from fuselab.engine.weights import init_random, load_checkpoint
-from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS
+from fuselab.kernels import ATTENTION_HEAD_DIMS
 
 MODES = ("eager", "fused", "graphs")
 # Block tables and the decode split count are sized from max_model_len; Llama 3's 128k context
@@ -68,8 +68,8 @@ class LLM:
         self.mode = _resolve_mode(mode, self.device)
         self.dtype = _resolve_dtype(dtype, config, self.device)
         self.config = config
-        if self.mode != "eager" and config.head_dim not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"mode {self.mode!r} needs a head dim in {SUPPORTED_HEAD_DIMS}; this model's is "
+        if self.mode != "eager" and config.head_dim not in ATTENTION_HEAD_DIMS:
+            raise ValueError(f"mode {self.mode!r} needs a head dim in {ATTENTION_HEAD_DIMS}; this model's is "
                              f"{config.head_dim} (use mode='eager')")
         _check_positive_int("max_num_seqs", max_num_seqs)
         _check_positive_int("block_size", block_size)

@@ -24,7 +24,7 @@ from fuselab.engine.model import AttentionMetadata, LlamaForCausalLM
 from fuselab.engine.sampler import Sampler, SamplingBatch
 from fuselab.engine.sequence import Sequence
 from fuselab.graphs import default_buckets
-from fuselab.kernels._launch import dependent_launches
+from fuselab.kernels import dependent_launches
 
 
 class DecodeInputs(NamedTuple):

@@ -5,6 +5,8 @@ Torch references for every op live in `fuselab.kernels.reference`.
 
 from fuselab import device as _device  # noqa: F401  (selects compiled or interpreted Triton first)
 
+from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
+from fuselab.kernels._launch import dependent_launches
 from fuselab.kernels.add import add
 from fuselab.kernels.argmax import argmax
 from fuselab.kernels.bias_act import bias_act
@@ -19,12 +21,14 @@ from fuselab.kernels.flash_attention import flash_attention, flash_attention_var
 from fuselab.kernels.paged_attention import decode_attention, store_kv
 
 __all__ = [
+    "ATTENTION_HEAD_DIMS",
     "add",
     "apply_rope",
     "argmax",
     "bias_act",
     "cross_entropy",
     "decode_attention",
+    "dependent_launches",
     "flash_attention",
     "flash_attention_varlen",
     "layer_norm",
