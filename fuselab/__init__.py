@@ -10,13 +10,18 @@ __all__ = ["LLM", "SamplingParams", "Timer", "Timers", "bench", "cuda_timer", "p
 # Names whose modules load Triton and the kernels: imported on first use, so that `import fuselab`
 # (and every `fuselab --help`) stays quick.
 _LAZY = {"patch": "fuselab.patching", "LLM": "fuselab.engine", "SamplingParams": "fuselab.engine"}
+# Subpackages reachable as attributes (`fuselab.optim.FusedAdamW`), loaded on first use for the same reason.
+_SUBMODULES = ("doctor", "engine", "graphs", "kernels", "optim", "probe")
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'fuselab' has no attribute {name!r}")
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"fuselab.{name}")
+    else:
+        raise AttributeError(f"module 'fuselab' has no attribute {name!r}")
+    globals()[name] = value
+    return value
