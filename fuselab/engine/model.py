@@ -3,6 +3,8 @@
 Tokens of every sequence in a step are packed along one dim, [T]; `AttentionMetadata` says where
 each sequence starts (prefill) or where its cached context lives (decode), and which cache slot
 each token's key and value go to. Q/K/V are one projection and gate/up another, merged at load.
+What is fixed for the model (shapes, ops, the RoPE table, each layer's KV cache) is bound at
+build time, so a forward takes only the step's tensors and its metadata.
 
 Two sets of ops run the same layers: "eager" calls the plain-torch references of
 fuselab.kernels.reference, "fused" calls fuselab's Triton kernels: RMSNorm fused with the residual

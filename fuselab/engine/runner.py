@@ -105,16 +105,13 @@ class ModelRunner:
     # Inputs
     # ---------------------------------------------------------------------------------------
 
-    def _pinned(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self._pin)
-
     def _to_device(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return self._pinned(data, dtype).to(self.device, non_blocking=True)
+        return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, metadata, index of each sequence's last token) for the whole of each sequence."""
         input_ids, positions, slots, cu_seqlens = [], [], [], [0]
         for seq in seqs:
@@ -197,7 +194,7 @@ class ModelRunner:
         """(logits [len(seqs), vocab] in the model's dtype, greedy tokens [len(seqs)]) of the next
         token of each sequence, whose KV it writes; to be called under torch.inference_mode()."""
         if is_prefill:
-            input_ids, attn, last = self.prepare_prefill(seqs)
+            input_ids, attn, last = self._prepare_prefill(seqs)
             h, residual = self.model(input_ids, attn)
             logits = self.model.compute_logits(h[last], residual[last])
             return logits, self.model.greedy(logits)

@@ -41,7 +41,7 @@ class ByteTokenizer:
 
 
 def load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
-    """The tokenizer of a checkpoint directory (None if it has no tokenizer.json); bytes for a preset (None)."""
+    """The tokenizer of a checkpoint directory (None if it has no tokenizer.json); bytes for a preset (model_dir None)."""
     if model_dir is None:
         return ByteTokenizer()
     path = model_dir / "tokenizer.json"
