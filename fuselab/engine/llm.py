@@ -46,7 +46,8 @@ class LLM:
     dtype: default bfloat16 on a GPU (float16 if the checkpoint is), float32 on the CPU.
     The KV cache takes kv_cache_memory_fraction of the GPU memory left free by the weights
     (num_kv_blocks overrides it); max_model_len (default min(4096, the model's)) bounds
-    prompt + output. One generate call runs at a time.
+    prompt + output. EngineConfig checks these arguments and resolves their defaults
+    (`engine_config`). One generate call runs at a time.
     """
 
     def __init__(self, model: str | os.PathLike, mode: str = "graphs", dtype: str | torch.dtype | None = None,

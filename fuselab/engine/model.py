@@ -69,7 +69,8 @@ FUSED_OPS = Ops(
     rms_norm=kernels.rms_norm,
     silu_and_mul=kernels.silu_and_mul,
     rope_and_store_kv=kernels.rope_and_store_kv,
-    prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(q, k, v, cu, max_len, True, scale),
+    prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
+        q, k, v, cu, max_len, True, scale),
     # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes
     # only, which a captured decode graph needs.
     decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: kernels.decode_attention(

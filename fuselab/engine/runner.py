@@ -73,6 +73,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  max_num_seqs: int, cuda_graphs: bool = False) -> None:
         self.model = model
+        # Bound before any graph is captured: a graph holds the cache by address.
         model.bind_kv_cache(kv_cache.k, kv_cache.v)
         self.sampler = sampler
         self.device = device
@@ -94,8 +95,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             # One logits buffer for every bucket: each graph would otherwise keep its own.
-            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, dtype=model.model.embed_tokens.weight.dtype,
-                                              device=device)
+            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size,
+                                              dtype=model.model.embed_tokens.weight.dtype, device=device)
             # Greedy tokens go straight to last_tokens from inside the graph: no copy after it.
             self.graphs = DecodeGraphs(self._graph_step, default_buckets(max_num_seqs), device)
             with torch.inference_mode():
