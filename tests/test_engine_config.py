@@ -1,10 +1,13 @@
-"""ModelConfig from config.json dicts: what each architecture switches on, and what is refused."""
+"""ModelConfig from config.json dicts: what each architecture switches on, and what is refused; EngineConfig's
+defaults and checks, resolved before any weight is built."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fuselab.engine.config import PRESETS, ModelConfig
+from fuselab.engine.engine_config import EngineConfig
 
 _BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
@@ -67,3 +70,18 @@ def test_unsupported_configs_name_the_field(fields, match):
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError, match="llama3-1b"):
         ModelConfig.preset("llama4")
+
+
+def test_engine_config_resolves_its_defaults():
+    c = EngineConfig("tiny", mode="eager", device="cpu")
+    assert (c.max_model_len, c.max_num_batched_tokens, c.dtype, c.model_dir) == (2048, 8192, torch.float32, None)
+    assert c.model_config == ModelConfig.preset("tiny") and c.blocks_per_seq == 2048 // 16
+    assert EngineConfig("tiny", mode="eager", dtype="bf16", max_model_len=100, block_size=32).blocks_per_seq == 4
+
+
+def test_engine_config_checks_a_given_cache_size_up_front():
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        EngineConfig("tiny", mode="eager", max_model_len=256, num_kv_blocks=15)
+    EngineConfig("tiny", mode="eager", max_model_len=256, num_kv_blocks=16)
+    with pytest.raises(ValueError, match="num_kv_blocks must be a positive int"):
+        EngineConfig("tiny", mode="eager", num_kv_blocks=0)

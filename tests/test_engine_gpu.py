@@ -53,10 +53,11 @@ def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     block_manager = llm.scheduler.block_manager
     block_manager.allocate(seq)
     try:
-        llm.runner.compute_logits([seq], is_prefill=True)
-        seq.append_token(prompt[-1])
-        block_manager.append(seq)
-        return llm.runner.compute_logits([seq], is_prefill=False)[0]
+        with torch.inference_mode():
+            llm.runner.run_model([seq], is_prefill=True)
+            seq.append_token(prompt[-1])
+            block_manager.append(seq)
+            return llm.runner.run_model([seq], is_prefill=False)[0][0].float()
     finally:
         block_manager.free(seq)
 

@@ -90,10 +90,10 @@ def test_padded_decode_rows_store_nothing_and_change_no_real_row(llm):
     block_manager = llm.scheduler.block_manager
     block_manager.allocate(seq)
     try:
-        llm.runner.compute_logits([seq], is_prefill=True)
-        seq.append_token(7)
-        block_manager.append(seq)
         with torch.inference_mode():
+            llm.runner.run_model([seq], is_prefill=True)
+            seq.append_token(7)
+            block_manager.append(seq)
             alone, _ = llm.runner.decode_forward(llm.runner._stage_decode([seq], rows=1))
             cache = [k.clone() for k in llm.kv_cache.k]
             padded, tokens = llm.runner.decode_forward(llm.runner._stage_decode([seq], rows=8))

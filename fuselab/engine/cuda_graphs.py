@@ -52,10 +52,9 @@ class DecodeGraphs:
         return bucket
 
     def capture(self) -> None:
-        # The graphs keep the GEMM kernels chosen at capture: cuBLASLt's, which at 64 rows run the
-        # 8B shape's projections 3% faster a step than cuBLAS's (split-K plus a reduce kernel) and
-        # match them at one row (benchmarks/results/2026-11-30-h200/decode-levers-2). The setting
-        # is process-wide, so it is put back for whatever runs outside the graphs.
+        # The graphs keep the GEMM kernels chosen at capture: cuBLASLt's, which beat cuBLAS's
+        # (split-K plus a reduce kernel) at 64 rows, by 3% a step at the 8B shape, and match them at one.
+        # The setting is process-wide, so it is put back for whatever runs outside the graphs.
         previous = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
         try:

@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import sys
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,8 @@ from typing import Callable, Iterator, Sequence as SequenceType
 
 import torch
 
-from fuselab.device import default_device, has_cuda
-from fuselab.engine.config import PRESETS, ModelConfig, eos_token_ids
+from fuselab.engine.config import eos_token_ids
+from fuselab.engine.engine_config import EngineConfig
 from fuselab.engine.kv_cache import BlockManager, KVCache, num_blocks_for_memory
 from fuselab.engine.model import build_model
 from fuselab.engine.runner import ModelRunner, StepOutput
@@ -25,15 +24,6 @@ from fuselab.engine.scheduler import Scheduler
 from fuselab.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from fuselab.engine.tokenizer import load_tokenizer
 from fuselab.engine.weights import init_random, load_checkpoint
-from fuselab.kernels import ATTENTION_HEAD_DIMS
-
-MODES = ("eager", "fused", "graphs")
-# Block tables and the decode split count are sized from max_model_len; Llama 3's 128k context
-# would make every decode step pay for it. Ask for more explicitly.
-DEFAULT_MAX_MODEL_LEN = 4096
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -56,62 +46,40 @@ class LLM:
     dtype: default bfloat16 on a GPU (float16 if the checkpoint is), float32 on the CPU.
     The KV cache takes kv_cache_memory_fraction of the GPU memory left free by the weights
     (num_kv_blocks overrides it); max_model_len (default min(4096, the model's)) bounds
-    prompt + output. One generate call runs at a time.
+    prompt + output. EngineConfig checks these arguments and resolves their defaults
+    (`engine_config`). One generate call runs at a time.
     """
 
     def __init__(self, model: str | os.PathLike, mode: str = "graphs", dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
                  kv_cache_memory_fraction: float = 0.9, *, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_num_batched_tokens: int | None = None) -> None:
-        model_dir, config = _resolve_model(model)
-        self.device = _resolve_device(device)
-        self.mode = _resolve_mode(mode, self.device)
-        self.dtype = _resolve_dtype(dtype, config, self.device)
-        self.config = config
-        if self.mode != "eager" and config.head_dim not in ATTENTION_HEAD_DIMS:
-            raise ValueError(f"mode {self.mode!r} needs a head dim in {ATTENTION_HEAD_DIMS}; this model's is "
-                             f"{config.head_dim} (use mode='eager')")
-        _check_positive_int("max_num_seqs", max_num_seqs)
-        _check_positive_int("block_size", block_size)
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
-        if max_model_len is None:
-            max_model_len = min(DEFAULT_MAX_MODEL_LEN, config.max_position_embeddings)
-        _check_positive_int("max_model_len", max_model_len)
-        if max_model_len < 2 or max_model_len > config.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [2, {config.max_position_embeddings}] for this model, "
-                             f"got {max_model_len}")
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(max_model_len, 8192)
-        _check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        if max_num_batched_tokens < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
-                             f"({max_model_len}), so that the longest prompt can be prefilled")
-        if not isinstance(kv_cache_memory_fraction, (int, float)) or not 0 < kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction!r}")
-        self.max_model_len = max_model_len
+        self.engine_config = engine_config = EngineConfig(
+            model, mode, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_fraction,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens)
+        self.config = config = engine_config.model_config
+        self.device, self.mode, self.dtype = engine_config.device, engine_config.mode, engine_config.dtype
+        self.max_model_len = engine_config.max_model_len
 
-        self.model = build_model(config, self.dtype, self.device, max_model_len, self.mode)
-        if model_dir is None:
+        self.model = build_model(config, self.dtype, self.device, self.max_model_len, self.mode)
+        if engine_config.model_dir is None:
             init_random(self.model)
         else:
-            load_checkpoint(self.model, model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+            load_checkpoint(self.model, engine_config.model_dir)
+        self.tokenizer = load_tokenizer(engine_config.model_dir)
 
-        blocks_per_seq = -(-max_model_len // block_size)
+        num_kv_blocks = engine_config.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = num_blocks_for_memory(config, block_size, self.dtype, self.device,
-                                                  kv_cache_memory_fraction, max_num_seqs * blocks_per_seq)
-        else:
-            _check_positive_int("num_kv_blocks", num_kv_blocks)
-        if num_kv_blocks < blocks_per_seq:
-            raise ValueError(f"the KV cache holds {num_kv_blocks} blocks of {block_size} tokens, fewer than one "
-                             f"sequence of max_model_len={max_model_len} needs ({blocks_per_seq}): lower "
-                             "max_model_len or give the cache more memory")
-        self.kv_cache = KVCache(config, num_kv_blocks, block_size, self.dtype, self.device)
-        self.scheduler = Scheduler(BlockManager(num_kv_blocks, block_size), max_num_seqs, max_num_batched_tokens,
-                                   max_model_len, config.eos_token_ids + _generation_eos(model_dir))
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device, max_num_seqs,
+            # Sized now, from the memory the weights left free.
+            num_kv_blocks = num_blocks_for_memory(config, engine_config.block_size, self.dtype, self.device,
+                                                  engine_config.kv_cache_memory_fraction,
+                                                  engine_config.max_num_seqs * engine_config.blocks_per_seq)
+            engine_config.check_num_kv_blocks(num_kv_blocks)
+        self.kv_cache = KVCache(config, num_kv_blocks, engine_config.block_size, self.dtype, self.device)
+        self.scheduler = Scheduler(BlockManager(num_kv_blocks, engine_config.block_size), engine_config.max_num_seqs,
+                                   engine_config.max_num_batched_tokens, self.max_model_len,
+                                   config.eos_token_ids + _generation_eos(engine_config.model_dir))
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device, engine_config.max_num_seqs,
                                   cuda_graphs=self.mode == "graphs")
         self._in_flight: StepOutput | None = None  # the step the GPU may still be running
         self._next_seq_id = 0
@@ -234,71 +202,6 @@ class LLM:
             finish_reason=seq.finish_reason,
             metrics=seq.metrics(),
         )
-
-
-# -------------------------------------------------------------------------------------------
-# Arguments
-# -------------------------------------------------------------------------------------------
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=4)
-
-
-def _resolve_model(model: object) -> tuple[Path | None, ModelConfig]:
-    """(checkpoint directory or None for a preset, its config)."""
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a checkpoint directory or a preset name, got {type(model).__name__}")
-    path = Path(model)
-    if path.is_dir():
-        return path, ModelConfig.from_dir(path)
-    if isinstance(model, str) and model in PRESETS:
-        return None, ModelConfig.preset(model)
-    raise ValueError(f"model {str(model)!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
-
-
-def _resolve_device(device: object) -> torch.device:
-    if device is None:
-        return default_device()
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a device: {e}") from None
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"device must be 'cuda' or 'cpu', got {str(device)!r}")
-    if device.type == "cuda" and not has_cuda():
-        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
-    return device
-
-
-def _resolve_mode(mode: object, device: torch.device) -> str:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if device.type == "cpu" and mode == "graphs":
-        _warn_once("mode 'graphs' needs a CUDA GPU: running mode 'eager' on the CPU")
-        return "eager"
-    if device.type == "cpu" and mode == "fused":
-        _warn_once("mode 'fused' on the CPU runs the Triton kernels through the interpreter: slow, tiny models only")
-    return mode
-
-
-def _resolve_dtype(dtype: object, config: ModelConfig, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        if device.type == "cpu":
-            return torch.float32
-        return torch.float16 if config.dtype == "float16" else torch.bfloat16
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    if dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return dtype
-    raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch dtype among them, got {dtype!r}")
 
 
 def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:

@@ -73,7 +73,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  max_num_seqs: int, cuda_graphs: bool = False) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        # Bound before any graph is captured: a graph holds the cache by address.
+        model.bind_kv_cache(kv_cache.k, kv_cache.v)
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
@@ -94,8 +95,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             # One logits buffer for every bucket: each graph would otherwise keep its own.
-            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size, dtype=model.model.embed_tokens.weight.dtype,
-                                              device=device)
+            self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size,
+                                              dtype=model.model.embed_tokens.weight.dtype, device=device)
             # Greedy tokens go straight to last_tokens from inside the graph: no copy after it.
             self.graphs = DecodeGraphs(self._graph_step, default_buckets(max_num_seqs), device)
             with torch.inference_mode():
@@ -105,17 +106,14 @@ class ModelRunner:
     # Inputs
     # ---------------------------------------------------------------------------------------
 
-    def _pinned(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self._pin)
-
     def _to_device(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return self._pinned(data, dtype).to(self.device, non_blocking=True)
+        return torch.tensor(data, dtype=dtype, pin_memory=self._pin).to(self.device, non_blocking=True)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """(input_ids, positions, metadata, index of each sequence's last token) for the whole of each sequence."""
+    def _prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, metadata, index of each sequence's last token) for the whole of each sequence."""
         input_ids, positions, slots, cu_seqlens = [], [], [], [0]
         for seq in seqs:
             n = len(seq)
@@ -125,12 +123,13 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + n)
         attn = AttentionMetadata(
             is_prefill=True,
+            positions=self._to_device(positions, torch.int64),
             slot_mapping=self._to_device(slots),
             cu_seqlens=self._to_device(cu_seqlens),
             max_seqlen=max(len(s) for s in seqs),
         )
         last = self._to_device([end - 1 for end in cu_seqlens[1:]], torch.int64)
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), attn, last
+        return self._to_device(input_ids, torch.int64), attn, last
 
     def _device_view(self, rows: int) -> DecodeInputs:
         return DecodeInputs.view(self._device_inputs, rows, self.max_blocks_per_seq)
@@ -175,10 +174,10 @@ class ModelRunner:
         holds. With `tokens_out`, the greedy tokens are written there (and returned)."""
         # A row whose token the host has not read yet takes it from the previous step's output.
         input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
-        attn = AttentionMetadata(is_prefill=False, slot_mapping=inputs.slot_mapping,
+        attn = AttentionMetadata(is_prefill=False, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
         with dependent_launches():  # no kernel of a decode step writes a weight
-            h, residual = self.model(input_ids, inputs.positions, attn, self.kv_cache.k, self.kv_cache.v)
+            h, residual = self.model(input_ids, attn)
             logits = self.model.compute_logits(h, residual, logits_out)
             greedy = self.model.greedy(logits)
         if tokens_out is None:
@@ -192,32 +191,23 @@ class ModelRunner:
         inputs = self._device_view(bucket) if capturing else self._stage_decode([], bucket)
         return self.decode_forward(inputs, self._static_logits[:bucket], self.last_tokens[:bucket])
 
-    def _decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_model(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [len(seqs), vocab] in the model's dtype, greedy tokens [len(seqs)]) of the next
+        token of each sequence, whose KV it writes; to be called under torch.inference_mode()."""
+        if is_prefill:
+            input_ids, attn, last = self._prepare_prefill(seqs)
+            h, residual = self.model(input_ids, attn)
+            logits = self.model.compute_logits(h[last], residual[last])
+            return logits, self.model.greedy(logits)
         if self.graphs is None:
             return self.decode_forward(self._stage_decode(seqs, len(seqs)))
         self._stage_decode(seqs, self.graphs.bucket_for(len(seqs)))
         return self.graphs.replay(len(seqs))
 
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        """Float32 logits [len(seqs), vocab] of the next token of each sequence; writes their KV."""
-        return self._logits(seqs, is_prefill).float()
-
-    def _logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        if not is_prefill:
-            return self._decode(seqs)[0]
-        input_ids, positions, attn, last = self.prepare_prefill(seqs)
-        h, residual = self.model(input_ids, positions, attn, self.kv_cache.k, self.kv_cache.v)
-        return self.model.compute_logits(h[last], residual[last])
-
-    @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
         """Queue one step on the device and return at once; its tokens reach the host later."""
-        if is_prefill:
-            logits = self._logits(seqs, is_prefill=True)
-            greedy = self.model.greedy(logits)
-        else:
-            logits, greedy = self._decode(seqs)
+        logits, greedy = self.run_model(seqs, is_prefill)
         in_place = self.graphs is not None and not is_prefill  # the graph wrote greedy to last_tokens
         if all(s.params.greedy for s in seqs):
             tokens = greedy

@@ -56,8 +56,9 @@ def top_k_top_p_mask(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: to
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters on the device. Known on the host: `all_greedy` skips sampling,
-    `any_filter` (a sampled row with top-k or top-p) asks for the vocabulary sorted."""
+    """Per-row sampling parameters on the device, and, known on the host, `any_filter`: a sampled
+    row with top-k or top-p, which asks for the vocabulary sorted. (An all-greedy batch never
+    gets here: the runner takes the model's argmax for it.)"""
 
     temperature: torch.Tensor  # [B] float32; 1 on greedy rows, which take the argmax instead
     greedy: torch.Tensor  # [B] bool
@@ -65,7 +66,6 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: the index of the token being drawn in the request's output
-    all_greedy: bool
     any_filter: bool
 
     @classmethod
@@ -82,16 +82,13 @@ class SamplingBatch:
             steps=torch.tensor([s.num_tokens - s.num_prompt_tokens for s in seqs], dtype=torch.int64, pin_memory=pin),
         )
         on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}
-        return cls(**on_device, all_greedy=all(p.greedy for p in params),
-                   any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
+        return cls(**on_device, any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Token ids [B] (int64, on the device) for logits [B, vocab] (sampled from in float32)."""
         greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens
         scaled = logits.float() / batch.temperature[:, None]
         if not batch.any_filter:
             # Every token a candidate: no sort. The noise is keyed by token id, so a row draws what

@@ -41,7 +41,8 @@ class ByteTokenizer:
 
 
 def load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
-    """The tokenizer of a checkpoint directory (None if it has no tokenizer.json); bytes for a preset (None)."""
+    """The tokenizer of a checkpoint directory (None if it has no tokenizer.json); for a preset
+    (model_dir None), bytes."""
     if model_dir is None:
         return ByteTokenizer()
     path = model_dir / "tokenizer.json"
