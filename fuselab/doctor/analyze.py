@@ -129,6 +129,21 @@ def _assign_to_steps(trace: Trace, steps: list[Span], call_of: dict[int, Runtime
     return members
 
 
+def _launching_ops(trace: Trace, call_of: dict[int, RuntimeCall]) -> dict[int, CpuOp | None]:
+    """The CPU op that launched each GPU event, by the event's index."""
+    op_of: dict[int, CpuOp | None] = {}
+    for i, g in enumerate(trace.gpu):
+        call = call_of.get(g.correlation)
+        op_of[i] = trace.op_for(g.external_id or (call.external_id if call else None))
+    return op_of
+
+
+def _syncs_per_step(syncs: list[Sync], steps: list[Span]) -> list[list[Sync]]:
+    """The syncs (in time order) that start within each step."""
+    starts = [s.ts for s in syncs]
+    return [syncs[bisect.bisect_left(starts, step.ts):bisect.bisect_right(starts, step.end)] for step in steps]
+
+
 def _graph_replayed(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool]:
     """Which GPU events a graph launch queued: linked to a cudaGraphLaunch call, or marked as a graph node."""
     out = []
@@ -274,10 +289,7 @@ def analyze(
     call_of = {r.correlation: r for r in trace.runtime if r.correlation is not None}
 
     report("roofline")
-    op_of: dict[int, CpuOp | None] = {}
-    for i, g in enumerate(trace.gpu):
-        call = call_of.get(g.correlation)
-        op_of[i] = trace.op_for(g.external_id or (call.external_id if call else None))
+    op_of = _launching_ops(trace, call_of)
     costs = kernel_costs(trace.gpu, op_of, ceilings)
     replayed = _graph_replayed(trace, call_of)
 
@@ -289,12 +301,7 @@ def analyze(
 
     report("steps")
     members = _assign_to_steps(trace, steps, call_of)
-    sync_starts = [s.ts for s in all_syncs]
-    per_step_syncs = []
-    for step in steps:
-        lo = bisect.bisect_left(sync_starts, step.ts)
-        hi = bisect.bisect_right(sync_starts, step.end)
-        per_step_syncs.append(all_syncs[lo:hi])
+    per_step_syncs = _syncs_per_step(all_syncs, steps)
     per_step = [
         _step_stats(trace, step, idx, call_of, costs, replayed, step_syncs, sync_copies)
         for step, idx, step_syncs in zip(steps, members, per_step_syncs)
