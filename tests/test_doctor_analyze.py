@@ -8,7 +8,8 @@ from fuselab.doctor import analyze_trace
 from fuselab.doctor.analyze import analyze_file
 from fuselab.doctor.roofline import op_cost
 from fuselab.doctor.trace import CpuOp
-from fuselab.doctor.verdict import OUTSIDE_GRAPH_FIX, REPLAY_HOST_FIX, verdict_for
+from fuselab.doctor.fixes import OUTSIDE_GRAPH_FIX, REPLAY_HOST_FIX
+from fuselab.doctor.verdict import verdict_for
 
 
 def diagnose_built(builder, tmp_path, ceilings=STATED_CEILINGS, **kwargs):

@@ -5,7 +5,8 @@
     d = analyze_trace("trace.json.gz")             # or read a trace torch.profiler exported
     print(d.verdict, d.fixes[0].action); d.to_dict()
 
-trace (read Kineto JSON) -> analyze (steps, gaps, syncs, roofline, sequences) -> verdict -> report.
+trace (read Kineto JSON) -> analyze (steps, gaps, syncs, roofline, sequences) -> summary -> rules (one per
+finding) -> verdict + ranked fixes -> report (text, JSON, HTML).
 """
 
 from __future__ import annotations

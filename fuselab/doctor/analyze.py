@@ -32,7 +32,9 @@ from fuselab.device import Ceilings, ceilings as measured_ceilings
 from fuselab.doctor.fusion import FusionCandidate, fusion_candidates, kernel_label
 from fuselab.doctor.roofline import KernelCost, kernel_costs
 from fuselab.doctor.syncs import STEP_BOUNDARY, Sync, find_syncs
-from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
+from fuselab.doctor.trace import CpuOp, GpuEvent, RuntimeCall, Span, Trace, load_trace
+
+Gap = tuple[float, float, str]  # (start, end, "launch" | "sync" | "other" | "profiler")
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Analysis:
     steps: list[StepStats]
     step_events: list[list[int]]  # per step, indices into trace.gpu, in start order
     syncs: list[list[Sync]]  # per step
-    gaps: list[list[tuple[float, float, str]]]  # per step: (start, end, "launch" | "sync" | "other" | "profiler")
+    gaps: list[list[Gap]]  # per step
     costs: list[KernelCost]  # aligned with trace.gpu
     replayed: list[bool]  # aligned with trace.gpu: replayed from a CUDA graph
     fusion: list[FusionCandidate] = field(default_factory=list)
@@ -127,6 +129,21 @@ def _assign_to_steps(trace: Trace, steps: list[Span], call_of: dict[int, Runtime
     return members
 
 
+def _launching_ops(trace: Trace, call_of: dict[int, RuntimeCall]) -> dict[int, CpuOp | None]:
+    """The CPU op that launched each GPU event, by the event's index."""
+    op_of: dict[int, CpuOp | None] = {}
+    for i, g in enumerate(trace.gpu):
+        call = call_of.get(g.correlation)
+        op_of[i] = trace.op_for(g.external_id or (call.external_id if call else None))
+    return op_of
+
+
+def _syncs_per_step(syncs: list[Sync], steps: list[Span]) -> list[list[Sync]]:
+    """The syncs (in time order) that start within each step."""
+    starts = [s.ts for s in syncs]
+    return [syncs[bisect.bisect_left(starts, step.ts):bisect.bisect_right(starts, step.end)] for step in steps]
+
+
 def _graph_replayed(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool]:
     """Which GPU events a graph launch queued: linked to a cudaGraphLaunch call, or marked as a graph node."""
     out = []
@@ -136,72 +153,108 @@ def _graph_replayed(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool]
     return out
 
 
+def _idle_intervals(
+    indices: list[int], events: list[GpuEvent], replayed: list[bool], start: float, end: float,
+) -> list[tuple[float, float, int | None, bool]]:
+    """The GPU's idle intervals in [start, end]: (from, to, the index of the GPU event that ends the
+    interval or None for the tail, whether that event's graph replay had already begun)."""
+    intervals = []
+    cursor = start
+    replays_begun: set[int | None] = set()  # correlation ids of the graph launches whose kernels have started
+    for i, g in zip(indices, events):
+        if g.ts > cursor:
+            intervals.append((cursor, g.ts, i, replayed[i] and g.correlation in replays_begun))
+        if replayed[i]:
+            replays_begun.add(g.correlation)
+        cursor = max(cursor, g.end)
+    if end > cursor:
+        intervals.append((cursor, end, None, False))
+    return intervals
+
+
+def _gap_kind(trace: Trace, g0: float, g1: float, next_index: int | None, replay_begun: bool,
+              call_of: dict[int, RuntimeCall], sync_ends: list[float], sync_copies: set[int]) -> str:
+    """Why the GPU idled over [g0, g1] before the event at next_index: "sync", "launch" or "other"."""
+    pos = bisect.bisect_left(sync_ends, g0)
+    if (pos < len(sync_ends) and sync_ends[pos] <= g1) or next_index in sync_copies:
+        return "sync"
+    if replay_begun:
+        # Inside a replay the GPU runs the graph's own schedule; the launch call (which the
+        # profiler can keep in progress for the whole replay) is not what it waits for.
+        return "other"
+    call = call_of.get(trace.gpu[next_index].correlation) if next_index is not None else None
+    # The GPU waited for the host when the launch was still in progress as it went idle; a
+    # kernel with no recorded launch (or a tail with nothing left to run) counts the same way.
+    return "launch" if call is None or call.end >= g0 else "other"
+
+
+def _step_gaps(trace: Trace, indices: list[int], events: list[GpuEvent], start: float, end: float, call_of: dict[int, RuntimeCall],
+               replayed: list[bool], syncs: list[Sync], sync_copies: set[int]) -> tuple[list[Gap], float]:
+    """The step's idle gaps by cause, the profiler's own overhead split off, and the us of launch gaps
+    spent waiting for a graph replay to be launched."""
+    sync_ends = sorted(s.end for s in syncs)
+    gaps: list[Gap] = []
+    graph_launch_gap = 0.0
+    for g0, g1, next_index, replay_begun in _idle_intervals(indices, events, replayed, start, end):
+        kind = _gap_kind(trace, g0, g1, next_index, replay_begun, call_of, sync_ends, sync_copies)
+        next_replayed = next_index is not None and replayed[next_index]
+        for p0, p1, by_profiler in _split_off_overhead(g0, g1, trace.profiler_overhead):
+            gaps.append((p0, p1, "profiler" if by_profiler else kind))
+            if kind == "launch" and next_replayed and not by_profiler:
+                graph_launch_gap += p1 - p0
+    return gaps, graph_launch_gap
+
+
+def _busy_us(events: list[GpuEvent], start: float) -> float:
+    """GPU busy time from start on, time when streams overlap counted once."""
+    busy = 0.0
+    cursor = start
+    for g in events:
+        busy += max(0.0, g.end - max(g.ts, cursor))
+        cursor = max(cursor, g.end)
+    return busy
+
+
+def _bound_split(indices: list[int], costs: list[KernelCost], busy: float) -> tuple[float, float]:
+    """Busy time in compute- and in memory-bound kernels, scaled to the busy time (streams may overlap)."""
+    by_bound = {"compute": 0.0, "memory": 0.0}
+    for i in indices:
+        by_bound[costs[i].bound] += costs[i].dur_us
+    scale = busy / sum(by_bound.values()) if sum(by_bound.values()) > 0 else 0.0
+    return by_bound["compute"] * scale, by_bound["memory"] * scale
+
+
 def _step_stats(
     trace: Trace, step: Span, indices: list[int], call_of: dict[int, RuntimeCall], costs: list[KernelCost],
-    replayed: list[bool], syncs: list[Sync], sync_copies: set[int], gap_list: list[tuple[float, float, str]],
-) -> StepStats:
+    replayed: list[bool], syncs: list[Sync], sync_copies: set[int],
+) -> tuple[StepStats, list[Gap]]:
+    """The statistics of one step, and its idle gaps by cause."""
     events = [trace.gpu[i] for i in indices]
     host_end = _workload_host_end(trace, step)
     host_stalled = _split_off_overhead(step.ts, host_end, trace.profiler_overhead)
     host_us = host_end - step.ts - sum(p1 - p0 for p0, p1, by_profiler in host_stalled if by_profiler)
     end = max([host_end] + [g.end for g in events])
-    sync_ends = sorted(s.end for s in syncs)
-    gaps = {"launch": 0.0, "sync": 0.0, "other": 0.0, "profiler": 0.0}
-    graph_launch_gap = 0.0
-    replays_begun: set[int | None] = set()  # correlation ids of the graph launches whose kernels have started
-
-    def classify(g0: float, g1: float, next_index: int | None) -> None:
-        nonlocal graph_launch_gap
-        if g1 <= g0:
-            return
-        pos = bisect.bisect_left(sync_ends, g0)
-        next_replayed = next_index is not None and replayed[next_index]
-        if (pos < len(sync_ends) and sync_ends[pos] <= g1) or next_index in sync_copies:
-            kind = "sync"
-        elif next_replayed and trace.gpu[next_index].correlation in replays_begun:
-            # Inside a replay the GPU runs the graph's own schedule; the launch call (which the
-            # profiler can keep in progress for the whole replay) is not what it waits for.
-            kind = "other"
-        else:
-            call = call_of.get(trace.gpu[next_index].correlation) if next_index is not None else None
-            # The GPU waited for the host when the launch was still in progress as it went idle; a
-            # kernel with no recorded launch (or a tail with nothing left to run) counts the same way.
-            kind = "launch" if call is None or call.end >= g0 else "other"
-        for p0, p1, by_profiler in _split_off_overhead(g0, g1, trace.profiler_overhead):
-            gaps["profiler" if by_profiler else kind] += p1 - p0
-            gap_list.append((p0, p1, "profiler" if by_profiler else kind))
-            if kind == "launch" and next_replayed and not by_profiler:
-                graph_launch_gap += p1 - p0
-
-    busy = 0.0
-    cursor = step.ts
-    for i, g in zip(indices, events):
-        if g.ts > cursor:
-            classify(cursor, g.ts, i)
-        if replayed[i]:
-            replays_begun.add(g.correlation)
-        busy += max(0.0, g.end - max(g.ts, cursor))
-        cursor = max(cursor, g.end)
-    classify(cursor, end, None)
+    gaps, graph_launch_gap = _step_gaps(trace, indices, events, step.ts, end, call_of, replayed, syncs, sync_copies)
+    idle = {"launch": 0.0, "sync": 0.0, "other": 0.0, "profiler": 0.0}
+    for g0, g1, kind in gaps:
+        idle[kind] += g1 - g0
+    busy = _busy_us(events, step.ts)
+    compute_us, memory_us = _bound_split(indices, costs, busy)
 
     kernel_durs = [g.dur for g in events if g.kind == "kernel"]
-    by_bound = {"compute": 0.0, "memory": 0.0}
-    for i in indices:
-        by_bound[costs[i].bound] += costs[i].dur_us
-    scale = busy / sum(by_bound.values()) if sum(by_bound.values()) > 0 else 0.0  # streams may overlap
     launched = [not replayed[i] for i in indices]
     launched_kernel_durs = [g.dur for g, own in zip(events, launched) if own and g.kind == "kernel"]
     # A replayed kernel's delay from the graph launch is its place in the graph, not launch latency.
     delays = [g.ts - call_of[g.correlation].ts for g, own in zip(events, launched) if own and g.correlation in call_of]
     launches = len({g.correlation for g in events if g.correlation in call_of})  # a graph launch counts once
     graph_launches = len({g.correlation for g, own in zip(events, launched) if not own})
-    wall = end - step.ts - gaps["profiler"]
-    return StepStats(
-        name=step.name, start=step.ts, end=end, host_us=host_us, wall_us=wall, profiler_us=gaps["profiler"], gpu_busy_us=busy,
+    wall = end - step.ts - idle["profiler"]
+    stats = StepStats(
+        name=step.name, start=step.ts, end=end, host_us=host_us, wall_us=wall, profiler_us=idle["profiler"], gpu_busy_us=busy,
         gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs), copies=len(events) - len(kernel_durs),
         median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
-        compute_us=by_bound["compute"] * scale, memory_us=by_bound["memory"] * scale,
-        launch_gap_us=gaps["launch"], graph_launch_gap_us=graph_launch_gap, sync_stall_us=gaps["sync"], other_idle_us=gaps["other"],
+        compute_us=compute_us, memory_us=memory_us,
+        launch_gap_us=idle["launch"], graph_launch_gap_us=graph_launch_gap, sync_stall_us=idle["sync"], other_idle_us=idle["other"],
         launches=launches, launches_per_s=launches / host_us * 1e6 if host_us > 0 else 0.0,
         launch_delay_us={
             "median": statistics.median(delays) if delays else 0.0,
@@ -212,6 +265,7 @@ def _step_stats(
         graph_launches=graph_launches, graph_kernels=len(kernel_durs) - len(launched_kernel_durs),
         syncs=len(syncs), sync_blocked_us=sum(s.blocked_us for s in syncs),
     )
+    return stats, gaps
 
 
 def analyze(
@@ -235,10 +289,7 @@ def analyze(
     call_of = {r.correlation: r for r in trace.runtime if r.correlation is not None}
 
     report("roofline")
-    op_of: dict[int, CpuOp | None] = {}
-    for i, g in enumerate(trace.gpu):
-        call = call_of.get(g.correlation)
-        op_of[i] = trace.op_for(g.external_id or (call.external_id if call else None))
+    op_of = _launching_ops(trace, call_of)
     costs = kernel_costs(trace.gpu, op_of, ceilings)
     replayed = _graph_replayed(trace, call_of)
 
@@ -250,17 +301,13 @@ def analyze(
 
     report("steps")
     members = _assign_to_steps(trace, steps, call_of)
-    sync_starts = [s.ts for s in all_syncs]
-    per_step_syncs = []
-    for step in steps:
-        lo = bisect.bisect_left(sync_starts, step.ts)
-        hi = bisect.bisect_right(sync_starts, step.end)
-        per_step_syncs.append(all_syncs[lo:hi])
-    gaps: list[list[tuple[float, float, str]]] = [[] for _ in steps]
-    stats = [
-        _step_stats(trace, step, idx, call_of, costs, replayed, step_syncs, sync_copies, step_gaps)
-        for step, idx, step_syncs, step_gaps in zip(steps, members, per_step_syncs, gaps)
+    per_step_syncs = _syncs_per_step(all_syncs, steps)
+    per_step = [
+        _step_stats(trace, step, idx, call_of, costs, replayed, step_syncs, sync_copies)
+        for step, idx, step_syncs in zip(steps, members, per_step_syncs)
     ]
+    stats = [step_stats for step_stats, _ in per_step]
+    gaps = [step_gaps for _, step_gaps in per_step]
 
     report("fusion candidates")
     labels = [kernel_label(g, op_of[i]) for i, g in enumerate(trace.gpu)]

@@ -99,17 +99,12 @@ def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool])
     return runs
 
 
-def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: list[str],
-                      replayed: list[bool]) -> list[FusionCandidate]:
-    """The most time-consuming recurring sequences of individually launched kernels, longest first among
-    overlapping ones, at most TOP."""
-    vocabulary: dict[str, int] = {}
-    ids = [vocabulary.setdefault(label, len(vocabulary)) for label in labels]
-    fusable = [_fusable(e, label) and not from_graph for e, label, from_graph in zip(events, labels, replayed)]
+def _count_sequences(runs: list[list[int]], events: list[GpuEvent], ids: list[int]) -> tuple[Counter, Counter, Counter]:
+    """Per sequence of label ids: its occurrences, their first-start-to-last-end time, and their kernel time."""
     counts: Counter = Counter()
     span_us: Counter = Counter()
     kernel_us: Counter = Counter()
-    for run in _runs(members, events, fusable):
+    for run in runs:
         run_ids = [ids[i] for i in run]
         starts = [events[i].ts for i in run]
         ends = [events[i].end for i in run]
@@ -126,7 +121,11 @@ def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: 
                 counts[key] += 1
                 span_us[key] += ends[start + n - 1] - starts[start]
                 kernel_us[key] += elapsed[start + n] - elapsed[start]
-    names = list(vocabulary)
+    return counts, span_us, kernel_us
+
+
+def _most_costly(counts: Counter, span_us: Counter) -> list[tuple]:
+    """The recurring sequences that take the most time, at most TOP, none inside another."""
     chosen: list[tuple] = []
     # A sequence that recurs is worth the time it takes; a longer one that recurs as often covers its parts.
     for key in sorted((k for k, c in counts.items() if c >= 2), key=lambda k: (-span_us[k], -len(k))):
@@ -135,8 +134,20 @@ def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: 
         chosen.append(key)
         if len(chosen) == TOP:
             break
+    return chosen
+
+
+def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: list[str],
+                      replayed: list[bool]) -> list[FusionCandidate]:
+    """The most time-consuming recurring sequences of individually launched kernels, longest first among
+    overlapping ones, at most TOP."""
+    vocabulary: dict[str, int] = {}
+    ids = [vocabulary.setdefault(label, len(vocabulary)) for label in labels]
+    fusable = [_fusable(e, label) and not from_graph for e, label, from_graph in zip(events, labels, replayed)]
+    counts, span_us, kernel_us = _count_sequences(_runs(members, events, fusable), events, ids)
+    names = list(vocabulary)
     out = []
-    for key in chosen:
+    for key in _most_costly(counts, span_us):
         label_names = tuple(names[i] for i in key)
         mean_kernel = kernel_us[key] / (counts[key] * len(key))
         out.append(FusionCandidate(label_names, counts[key], span_us[key], kernel_us[key], fix_for(label_names, mean_kernel)))

@@ -89,22 +89,26 @@ def breakdown_svg(diagnosis: Diagnosis) -> str:
             f'<text x="4" y="24" font-size="12">one step</text>{"".join(parts)}{legend}</svg>')
 
 
-def write_html(diagnosis: Diagnosis, path: str | os.PathLike) -> None:
+def _steps_section(d: Diagnosis) -> str:
+    """The steps table and the timeline of the median step; empty without the analysis."""
+    if d.analysis is None:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(s.name)}</td><td>{s.wall_us:.0f}</td><td>{s.gpu_busy_pct:.0f}%</td><td>{s.kernels}</td>"
+        f"<td>{s.median_kernel_us:.1f}</td><td>{s.syncs}</td></tr>" for s in d.analysis.steps)
+    return ("<h2>steps</h2><table><tr><th>step</th><th>wall us</th><th>GPU busy</th><th>kernels</th>"
+            f"<th>median kernel us</th><th>syncs</th></tr>{rows}</table>"
+            f"<h2>timeline of the median step ({d.analysis.steps[_median_step(d)].wall_us:.0f} us)</h2>"
+            f"{timeline_svg(d)}<p><small>purple: launch calls; red: syncs and sync stalls; green/blue: compute-/memory-bound "
+            "kernels; grey: copies; amber: GPU waiting for the host to launch; light grey: other idle; "
+            "faint grey: the profiler's own overhead, left out of the step</small></p>")
+
+
+def _page(diagnosis: Diagnosis) -> str:
     d = diagnosis
     evidence = "".join(f"<li>{html.escape(e)}</li>" for e in d.evidence)
     fixes = "".join(f"<li>{html.escape(f.action)} <small>(~{f.saving_us:.0f} us/step; {html.escape(f.why)})</small></li>" for f in d.fixes)
-    steps = ""
-    if d.analysis is not None:
-        rows = "".join(
-            f"<tr><td>{html.escape(s.name)}</td><td>{s.wall_us:.0f}</td><td>{s.gpu_busy_pct:.0f}%</td><td>{s.kernels}</td>"
-            f"<td>{s.median_kernel_us:.1f}</td><td>{s.syncs}</td></tr>" for s in d.analysis.steps)
-        steps = ("<h2>steps</h2><table><tr><th>step</th><th>wall us</th><th>GPU busy</th><th>kernels</th>"
-                 f"<th>median kernel us</th><th>syncs</th></tr>{rows}</table>"
-                 f"<h2>timeline of the median step ({d.analysis.steps[_median_step(d)].wall_us:.0f} us)</h2>"
-                 f"{timeline_svg(d)}<p><small>purple: launch calls; red: syncs and sync stalls; green/blue: compute-/memory-bound "
-                 "kernels; grey: copies; amber: GPU waiting for the host to launch; light grey: other idle; "
-                 "faint grey: the profiler's own overhead, left out of the step</small></p>")
-    page = f"""<!doctype html>
+    return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>fuselab doctor: {html.escape(d.verdict)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1150px}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ddd;padding:3px 8px;text-align:right}} td:first-child{{text-align:left}}</style></head>
@@ -114,8 +118,11 @@ td,th{{border:1px solid #ddd;padding:3px 8px;text-align:right}} td:first-child{{
 <h2>evidence</h2><ul>{evidence}</ul>
 <h2>where a step's time goes</h2>{breakdown_svg(d)}
 <h2>fixes, by estimated saving</h2><ol>{fixes}</ol>
-{steps}
+{_steps_section(d)}
 </body></html>
 """
+
+
+def write_html(diagnosis: Diagnosis, path: str | os.PathLike) -> None:
     with open(path, "w") as f:
-        f.write(page)
+        f.write(_page(diagnosis))

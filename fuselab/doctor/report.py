@@ -9,6 +9,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.verdict import Diagnosis
 
 VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green"}
@@ -27,6 +28,48 @@ def step_time(d: Diagnosis) -> str:
     return f"{d.unprofiled_us_per_step:.0f} us per step ({d.wall_us_per_step:.0f} us profiled)"
 
 
+def _breakdown_table(d: Diagnosis) -> Table:
+    table = Table(title="where a step's time goes")
+    for col in ("part", "us / step", "share", ""):
+        table.add_column(col, justify="left" if col in ("part", "") else "right")
+    for part, v in d.breakdown.items():
+        table.add_row(PART_NAMES[part], f"{v['us']:.1f}", f"{100 * v['share']:.1f}%", _bar(v["share"]))
+    return table
+
+
+def _steps_table(a: Analysis) -> Table:
+    steps = Table(title="steps")
+    for col in ("step", "wall us", "GPU busy", "kernels", "median kernel us", "launches/s", "launch delay us (median)", "syncs"):
+        steps.add_column(col, justify="left" if col == "step" else "right")
+    for s in a.steps:
+        steps.add_row(s.name, f"{s.wall_us:.0f}", f"{s.gpu_busy_pct:.0f}%", str(s.kernels), f"{s.median_kernel_us:.1f}",
+                      f"{s.launches_per_s:,.0f}", f"{s.launch_delay_us['median']:.1f}", str(s.syncs))
+    return steps
+
+
+def _syncs_table(a: Analysis) -> Table | None:
+    sites = Counter((s.cause, s.source or "(no stack recorded)") for step in a.syncs for s in step)
+    if not sites:
+        return None
+    syncs = Table(title="host-blocking syncs")
+    for col in ("cause", "source", "count"):
+        syncs.add_column(col, justify="right" if col == "count" else "left")
+    for (cause, source), n in sites.most_common():
+        syncs.add_row(cause, source, str(n))
+    return syncs
+
+
+def _fusion_table(a: Analysis) -> Table | None:
+    if not a.fusion:
+        return None
+    fusion = Table(title="recurring kernel sequences")
+    for col in ("sequence", "count", "total us", "fix"):
+        fusion.add_column(col, justify="right" if col in ("count", "total us") else "left")
+    for c in a.fusion:
+        fusion.add_row(" → ".join(c.labels), str(c.count), f"{c.total_us:.0f}", c.fix)
+    return fusion
+
+
 def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     console = console or Console()
     d = diagnosis
@@ -34,39 +77,11 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
                   f"GPU busy {d.gpu_busy_pct:.0f}%)")
     for line in d.evidence:
         console.print(f"  • {line}")
-
-    table = Table(title="where a step's time goes")
-    for col in ("part", "us / step", "share", ""):
-        table.add_column(col, justify="left" if col in ("part", "") else "right")
-    for part, v in d.breakdown.items():
-        table.add_row(PART_NAMES[part], f"{v['us']:.1f}", f"{100 * v['share']:.1f}%", _bar(v["share"]))
-    console.print(table)
-
+    console.print(_breakdown_table(d))
     if d.analysis is not None:
-        a = d.analysis
-        steps = Table(title="steps")
-        for col in ("step", "wall us", "GPU busy", "kernels", "median kernel us", "launches/s", "launch delay us (median)", "syncs"):
-            steps.add_column(col, justify="left" if col == "step" else "right")
-        for s in a.steps:
-            steps.add_row(s.name, f"{s.wall_us:.0f}", f"{s.gpu_busy_pct:.0f}%", str(s.kernels), f"{s.median_kernel_us:.1f}",
-                          f"{s.launches_per_s:,.0f}", f"{s.launch_delay_us['median']:.1f}", str(s.syncs))
-        console.print(steps)
-        sites = Counter((s.cause, s.source or "(no stack recorded)") for step in a.syncs for s in step)
-        if sites:
-            syncs = Table(title="host-blocking syncs")
-            for col in ("cause", "source", "count"):
-                syncs.add_column(col, justify="right" if col == "count" else "left")
-            for (cause, source), n in sites.most_common():
-                syncs.add_row(cause, source, str(n))
-            console.print(syncs)
-        if a.fusion:
-            fusion = Table(title="recurring kernel sequences")
-            for col in ("sequence", "count", "total us", "fix"):
-                fusion.add_column(col, justify="right" if col in ("count", "total us") else "left")
-            for c in a.fusion:
-                fusion.add_row(" → ".join(c.labels), str(c.count), f"{c.total_us:.0f}", c.fix)
-            console.print(fusion)
-
+        for table in (_steps_table(d.analysis), _syncs_table(d.analysis), _fusion_table(d.analysis)):
+            if table is not None:
+                console.print(table)
     console.print("[bold]fixes, by estimated saving[/]")
     for rank, fix in enumerate(d.fixes, 1):
         saving = f"~{fix.saving_us:.0f} us/step" if fix.saving_us else "—"

@@ -102,8 +102,9 @@ def _cause(call_names: list[str], op_names: list[str], frames: list[PyFrame], co
     return f"explicit `{call_names[0]}`"
 
 
-def find_syncs(trace: Trace) -> list[Sync]:
-    """Every host-blocking call in the trace, grouped per CPU op, in time order."""
+def _blocking_calls_by_op(trace: Trace) -> tuple[dict[tuple, list[RuntimeCall]], dict[tuple, list[RuntimeCall]]]:
+    """The workload's blocking calls grouped per CPU op (a call outside any op on its own), and the
+    device-to-host copy calls of each op."""
     copy_by_correlation = {g.correlation: g for g in trace.gpu if g.kind == "memcpy" and g.correlation is not None}
     boundaries = [a for a in trace.annotations if a.name == STEP_BOUNDARY]
     groups: dict[tuple, list[RuntimeCall]] = {}
@@ -118,22 +119,29 @@ def find_syncs(trace: Trace) -> list[Sync]:
             continue
         key = (call.tid, call.external_id) if call.external_id else (call.tid, "call", call.ts)
         groups.setdefault(key, []).append(call)
-    syncs = []
-    for key, calls in groups.items():
-        first = calls[0]
-        round_trip = sorted({id(c): c for c in host_copies_by_op.get(key, []) + calls}.values(), key=lambda c: c.ts)
-        ops = trace.ops_enclosing(first.tid, first.ts + first.dur / 2)
-        frames = trace.frames_enclosing(first.tid, first.ts + first.dur / 2)
-        names = [c.name for c in calls]
-        to_host = key in host_copies_by_op
-        syncs.append(Sync(
-            api="+".join(dict.fromkeys(c.name for c in round_trip)),
-            ts=first.ts,
-            blocked_us=sum(c.dur for c in calls),
-            tid=first.tid,
-            cause=_cause(names, [o.name for o in reversed(ops)], frames, to_host),
-            source=source_line(frames),
-            correlations=tuple(c.correlation for c in round_trip if c.correlation is not None),
-        ))
+    return groups, host_copies_by_op
+
+
+def _sync(trace: Trace, calls: list[RuntimeCall], host_copies: list[RuntimeCall]) -> Sync:
+    """One op's blocking calls as a sync, its host copies in its round trip."""
+    first = calls[0]
+    round_trip = sorted({id(c): c for c in host_copies + calls}.values(), key=lambda c: c.ts)
+    ops = trace.ops_enclosing(first.tid, first.ts + first.dur / 2)
+    frames = trace.frames_enclosing(first.tid, first.ts + first.dur / 2)
+    return Sync(
+        api="+".join(dict.fromkeys(c.name for c in round_trip)),
+        ts=first.ts,
+        blocked_us=sum(c.dur for c in calls),
+        tid=first.tid,
+        cause=_cause([c.name for c in calls], [o.name for o in reversed(ops)], frames, bool(host_copies)),
+        source=source_line(frames),
+        correlations=tuple(c.correlation for c in round_trip if c.correlation is not None),
+    )
+
+
+def find_syncs(trace: Trace) -> list[Sync]:
+    """Every host-blocking call in the trace, grouped per CPU op, in time order."""
+    groups, host_copies_by_op = _blocking_calls_by_op(trace)
+    syncs = [_sync(trace, calls, host_copies_by_op.get(key, [])) for key, calls in groups.items()]
     syncs.sort(key=lambda s: s.ts)
     return syncs

@@ -174,9 +174,11 @@ def _enclosing(starts: tuple[list[float], list[int]] | None, events: list, t: fl
     return out
 
 
-def _link_parents(events: list, tid_index: dict[int, tuple[list[float], list[int]]]) -> None:
-    """Set each event's parent to the innermost event of its thread that encloses it (a stack sweep)."""
+def _link_parents(events: list) -> dict[int, tuple[list[float], list[int]]]:
+    """Set each event's parent to the innermost event of its thread that encloses it (a stack sweep);
+    return, per thread, the events' start times and indices in start order."""
     by_tid: dict[int, list[int]] = {}
+    starts: dict[int, tuple[list[float], list[int]]] = {}
     for i, e in enumerate(events):
         by_tid.setdefault(e.tid, []).append(i)
     for tid, indices in by_tid.items():
@@ -189,7 +191,8 @@ def _link_parents(events: list, tid_index: dict[int, tuple[list[float], list[int
                 stack.pop()
             e.parent = stack[-1] if stack else None
             stack.append(i)
-        tid_index[tid] = ([events[i].ts for i in indices], indices)
+        starts[tid] = ([events[i].ts for i in indices], indices)
+    return starts
 
 
 def _read_text(path: Path) -> str:
@@ -303,6 +306,6 @@ def _finish(trace: Trace) -> None:
     trace.runtime.sort(key=lambda r: r.ts)
     trace.annotations.sort(key=lambda a: a.ts)
     trace.profiler_overhead.sort(key=lambda a: a.ts)
-    _link_parents(trace.cpu_ops, trace._op_starts)
-    _link_parents(trace.py_frames, trace._frame_starts)
+    trace._op_starts = _link_parents(trace.cpu_ops)
+    trace._frame_starts = _link_parents(trace.py_frames)
     trace.op_by_external_id = {op.external_id: i for i, op in enumerate(trace.cpu_ops) if op.external_id}
