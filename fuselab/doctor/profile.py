@@ -12,6 +12,7 @@ import os
 import runpy
 import sys
 import tempfile
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable
 
@@ -55,7 +56,8 @@ class _Session:
         return self.max_steps is not None and self.recorded >= self.max_steps
 
 
-_session: _Session | None = None
+# The run a script's `step()` calls mark: set by `record_trace` / `profile_script` for their duration.
+_SESSION: ContextVar[_Session | None] = ContextVar("fuselab_doctor_session", default=None)
 
 
 def step() -> None:
@@ -64,14 +66,14 @@ def step() -> None:
     Call it once per iteration (per decode step, per training step). Once enough steps are
     recorded, profiling stops and the rest of the script runs unprofiled.
     """
-    global _session
-    if _session is None or _session.open_range is None:
+    session = _SESSION.get()
+    if session is None or session.open_range is None:
         return
-    _session.close_step()
-    if _session.full:
-        _session.prof.stop()
+    session.close_step()
+    if session.full:
+        session.prof.stop()
         return
-    _session.open_step()
+    session.open_step()
 
 
 def _profiler() -> profile:
@@ -98,7 +100,6 @@ def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int =
 
     A path ending in .gz is written gzipped. Without CUDA only the host side is recorded.
     """
-    global _session
     _check_callable(fn)
     _check_counts(steps, warmup)
     for _ in range(warmup):
@@ -114,7 +115,7 @@ def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int =
         fn()
         if has_cuda():
             torch.cuda.synchronize()
-        _session = session
+        token = _SESSION.set(session)
         try:
             for i in range(steps):
                 session.open_step()
@@ -123,7 +124,7 @@ def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int =
                 if on_step:
                     on_step(i + 1, steps)
         finally:
-            _session = None
+            _SESSION.reset(token)
     prof.export_chrome_trace(str(path))
     return Path(path)
 
@@ -192,25 +193,25 @@ def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str |
     The script marks steps with `fuselab.doctor.step()`; the first `warmup` steps are recorded but
     meant to be skipped by the analysis. A script that marks none is recorded whole as one step.
     """
-    global _session
     path = Path(script)
     if not path.is_file():
         raise ValueError(f"script: no such file {path}")
     _check_counts(steps, warmup)
     prof = _profiler()
-    _session = _Session(prof, max_steps=warmup + steps)
+    session = _Session(prof, max_steps=warmup + steps)
+    token = _SESSION.set(session)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.parent.resolve()))
     prof.start()
-    _session.open_step()
+    session.open_step()
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as stop:
         if stop.code not in (0, None):
             raise
     finally:
-        session, _session = _session, None
+        _SESSION.reset(token)
         if session.open_range is not None:  # else step() already stopped the profiler
             session.close_step()
             prof.stop()
