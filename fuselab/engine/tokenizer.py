@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from fuselab.engine.config import CheckpointError
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -20,7 +22,10 @@ class HFTokenizer:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tokenizer = _Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = _Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise CheckpointError(f"{path}: not a readable tokenizer ({e})") from None
 
     def encode(self, text: str) -> list[int]:
         # With the special tokens the checkpoint's post-processor adds (Llama's BOS), as transformers does.
