@@ -11,6 +11,8 @@ from typing import Protocol
 
 from fuselab.engine.config import CheckpointError
 
+TOKENIZER_FILE = "tokenizer.json"
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -50,5 +52,5 @@ def load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
     (model_dir None), bytes."""
     if model_dir is None:
         return ByteTokenizer()
-    path = model_dir / "tokenizer.json"
+    path = model_dir / TOKENIZER_FILE
     return HFTokenizer(path) if path.is_file() else None
