@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from fuselab.doctor.cli import add_doctor_parser, run_doctor
 from fuselab.engine.cli import add_generate_parser, run_generate
@@ -41,6 +42,23 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
 }
 
 
+def _output_file(text: str) -> str:
+    """An argparse type: a file path that can be written, checked before the probe spends a minute measuring."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    existed = path.exists()
+    try:
+        # Opening is the only test that holds for every user (root included) and file system.
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {e.strerror}") from None
+    if not existed:
+        path.unlink()
+    return text
+
+
 def _add_probe(sub) -> None:
     p = sub.add_parser(
         "probe",
@@ -54,9 +72,11 @@ def _add_probe(sub) -> None:
             "GPU it measures what it can on the CPU and lists what it skipped."
         ),
     )
-    p.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
-    p.add_argument("--plot", metavar="PATH", help="write a plot (PNG) of the size sweep and the launch/sync costs to PATH")
-    p.add_argument("--markdown", metavar="PATH", help="write the tables and the verdict as Markdown to PATH")
+    p.add_argument("--json", type=_output_file, metavar="PATH", help="write the full result as JSON to PATH")
+    p.add_argument("--plot", type=_output_file, metavar="PATH",
+                   help="write a plot (PNG) of the size sweep and the launch/sync costs to PATH")
+    p.add_argument("--markdown", type=_output_file, metavar="PATH",
+                   help="write the tables and the verdict as Markdown to PATH")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and smaller sizes (a rough result in seconds)")
     p.add_argument("--no-cache", action="store_true", help="do not save the result as this machine's ceilings")
 

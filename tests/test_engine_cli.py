@@ -34,5 +34,6 @@ def test_generate_help_explains_presets_and_modes(capsys):
         main(["generate", "--help"])
     assert exc.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for text in ("--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--mode", "UTF-8 bytes", "llama3-8b"):
+    for text in ("--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--mode", "UTF-8 bytes", "llama3-8b",
+                 "--prompt-ids"):
         assert text in out

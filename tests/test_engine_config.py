@@ -61,6 +61,12 @@ def test_mistral_sliding_window_bounds_the_context():
      "partial_rotary_factor"),
     (dict(model_type="llama", num_key_value_heads=3), "num_key_value_heads"),
     (dict(model_type="llama", vocab_size=0), "vocab_size"),
+    (dict(model_type="llama", head_dim="16"), "head_dim"),
+    (dict(model_type="llama", tie_word_embeddings="yes"), "tie_word_embeddings"),
+    (dict(model_type="llama", rope_scaling="llama3"), "rope_scaling"),
+    (dict(model_type="llama", eos_token_id=["</s>"]), "eos_token_id"),
+    (dict(model_type="qwen2", architectures=["LlamaForCausalLM"]), "architectures"),
+    (dict(model_type="llama", quantization_config={"quant_method": "awq"}), "quant_method='awq'"),
 ])
 def test_unsupported_configs_name_the_field(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -131,6 +131,8 @@ def test_seeded_sampling_repeats(llm):
     (42, None, TypeError, "prompts"),
     ([[1], [2]], [GREEDY], ValueError, "sampling_params has 1 entries for 2 prompts"),
     ([[1]], [{"temperature": 0}], TypeError, r"sampling_params\[0\]"),
+    ([[1], [2]], [GREEDY, SamplingParams(stop_token_ids=(5, 256))], ValueError,
+     r"sampling_params\[1\]\.stop_token_ids\[1\]=256 is outside the vocabulary \[0, 256\)"),
 ])
 def test_bad_requests_are_rejected_before_any_work(llm, prompts, params, error, match):
     with pytest.raises(error, match=match):

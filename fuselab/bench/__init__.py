@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -34,6 +36,60 @@ def int_list(text: str) -> list[int]:
 def batch_sizes(text: str) -> list[int]:
     """An argparse type: comma-separated positive ints, sorted, each once."""
     return sorted(set(int_list(text)))
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    value = _finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a folder the results can be written to (created when they are), checked
+    before a benchmark spends minutes measuring."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{str(existing)!r} (in {text!r}) is not a directory")
+    try:
+        # Creating a file is the only test that holds for every user (root included) and file system.
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write in {str(existing)!r}: {e.strerror}") from None
+    return text
 
 
 def error_text(err: Exception, limit: int = 200) -> str:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fuselab.bench import command_line, error_text, int_list, markdown_table, write_json
+from fuselab.bench import command_line, error_text, int_list, markdown_table, output_dir, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.kernels._launch import dependent_launches, pdl_allowed
 from fuselab.timing import bench
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(batch 8, context 8192) kernels per head dim, and the decode split count at batch 1/8/64 "
                              "and contexts 4k-32k, and report the fastest: the figures behind FORWARD_CONFIGS, "
                              "DECODE_CONFIGS and the split rule; --only limits it to one half")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+    parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for attention.json and attention.md (default benchmarks/results)")
 
 

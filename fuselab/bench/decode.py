@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from fuselab.bench import batch_sizes, command_line, error_text, fmt, write_json
+from fuselab.bench import batch_sizes, command_line, error_text, fmt, output_dir, positive_int, write_json
 from fuselab.bench.graphs import count_launches
 from fuselab.device import ceilings, device_info, has_cuda
 
@@ -61,13 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch sizes to measure (default 1)")
     parser.add_argument("--batch-sweep", action="store_const", const=BATCH_SWEEP, dest="batch_sizes",
                         help=f"measure batch sizes {','.join(map(str, BATCH_SWEEP))}")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
-    parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per sequence (default 256)")
+    parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per sequence (default 128)")
+    parser.add_argument("--new-tokens", type=positive_int, default=256, help="new tokens per sequence (default 256)")
     parser.add_argument("--modes", type=_modes, default=list(MODES), metavar="M1,M2,...",
                         help=f"modes to run, among {','.join(MODES)} (default all)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--quick", action="store_true", help="32 new tokens and no doctor: a rough result in a minute")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+    parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for decode.json, decode.md and decode.png (default benchmarks/results)")
 
 

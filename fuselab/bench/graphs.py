@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from fuselab.bench import batch_sizes, command_line, fmt, write_json
+from fuselab.bench import batch_sizes, command_line, fmt, output_dir, positive_float, positive_int, write_json
 from fuselab.device import device_info, has_cuda
 from fuselab.graphs import graphed
 from fuselab.timing import bench
@@ -39,17 +39,17 @@ _LAUNCH_CALLS = ("cudaLaunch", "cuLaunch", "cudaGraphLaunch", "cudaMemcpy", "cud
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=64, help="Linear+SiLU layers in the chain (default 64: ~128 kernels a call)")
-    parser.add_argument("--width", type=int, default=128, help="features per layer (default 128)")
+    parser.add_argument("--layers", type=positive_int, default=64, help="Linear+SiLU layers in the chain (default 64: ~128 kernels a call)")
+    parser.add_argument("--width", type=positive_int, default=128, help="features per layer (default 128)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--batch-sizes", type=batch_sizes, default=[1, 2, 4, 8, 16, 32, 64], metavar="B1,B2,...",
                         help="batch sizes to time (default 1,2,4,8,16,32,64); graphed captures buckets up to the largest")
-    parser.add_argument("--rep-ms", type=float, default=200.0, help="measuring time per mode and batch size (default 200)")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rep-ms", type=positive_float, default=200.0, help="measuring time per mode and batch size (default 200)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
                         help="rounds the modes take turns in, each timing every mode for rep-ms/rounds; the table gives "
                              "the median round and the spread (default 5)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compilation takes the longest)")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+    parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for graphs.json, graphs.md and graphs.png (default benchmarks/results)")
 
 

@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from fuselab.bench import command_line, error_text, markdown_table, write_json
+from fuselab.bench import command_line, error_text, markdown_table, output_dir, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -455,7 +455,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="decode and prefill sizes only, shorter timing (a rough result in a minute or two)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (its compilation takes the longest)")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+    parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for kernels.json and kernels.md (default benchmarks/results)")
 
 
@@ -467,7 +467,8 @@ def run(args: argparse.Namespace) -> int:
     known = [op.name for op in ops()]
     unknown = [name for name in args.ops or () if name not in known]
     if unknown:
-        print(f"unknown op(s): {', '.join(unknown)}; choose from {', '.join(known)}", file=sys.stderr)
+        print(f"fuselab bench kernels: error: argument --ops: unknown op(s) {', '.join(unknown)}; "
+              f"choose from {', '.join(known)}", file=sys.stderr)
         return 2
     result = measure(args)
     print_tables(result)

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from fuselab.bench import command_line, error_text, write_json
+from fuselab.bench import command_line, error_text, non_negative_float, output_dir, positive_float, write_json
 from fuselab.device import ceilings, device_info, has_cuda
 from fuselab.timing import bench
 
@@ -103,9 +103,9 @@ def print_table(result: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype (default float32)")
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES), help="which parameter sets to time")
-    parser.add_argument("--warmup-ms", type=float, default=100.0)
-    parser.add_argument("--rep-ms", type=float, default=500.0)
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR", help="folder for optim.json (default benchmarks/results)")
+    parser.add_argument("--warmup-ms", type=non_negative_float, default=100.0)
+    parser.add_argument("--rep-ms", type=positive_float, default=500.0)
+    parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR", help="folder for optim.json (default benchmarks/results)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The transformers class each model_type is saved from: another one under the same model_type (Mixtral's
+# experts, say) has weights or layers this transformer does not compute.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 # Presets are written as config.json dicts so that they go through the same parsing as a
 # checkpoint, and so that a test can build the same shape in transformers from the same dict.
@@ -40,10 +44,31 @@ PRESETS: dict[str, dict] = {
 }
 
 
+class CheckpointError(ValueError):
+    """A checkpoint directory holds something the engine cannot read or does not implement; the
+    message names the file and the field or tensor at fault."""
+
+
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the file at `path`; anything else is a CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got a {type(value).__name__}")
+    return value
+
+
 def eos_token_ids(d: dict) -> tuple[int, ...]:
     """`eos_token_id` of a config.json or generation_config.json: absent, one id, or a list."""
     eos = d.get("eos_token_id")
-    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"field eos_token_id must be an int >= 0 or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -77,15 +102,18 @@ class ModelConfig:
         if heads % kv_heads:
             raise ValueError(f"config field num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
         hidden = _positive_int(d, "hidden_size")
-        head_dim = d.get("head_dim") or hidden // heads
+        head_dim = _positive_int(d, "head_dim") if d.get("head_dim") is not None else hidden // heads
         rope = _rope_parameters(d)
         max_pos = _positive_int(d, "max_position_embeddings")
         if model_type == "mistral" and d.get("sliding_window"):
             # Attention over a window at least as long as the context is full attention: serve
             # contexts up to the window exactly, and no further.
-            max_pos = min(max_pos, int(d["sliding_window"]))
+            max_pos = min(max_pos, _positive_int(d, "sliding_window"))
         eos_ids = eos_token_ids(d)
         dtype = d.get("dtype", d.get("torch_dtype"))
+        tied = d.get("tie_word_embeddings") or False
+        if not isinstance(tied, bool):
+            raise ValueError(f"config field tie_word_embeddings must be true or false, got {tied!r}")
         return cls(
             model_type=model_type,
             vocab_size=_positive_int(d, "vocab_size"),
@@ -94,12 +122,12 @@ class ModelConfig:
             num_layers=_positive_int(d, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            head_dim=head_dim,
+            rms_norm_eps=_positive_float(d, "rms_norm_eps", 1e-6),
+            rope_theta=_positive_float(rope, "rope_theta", 10000.0),
             rope_scaling=rope if rope.get("rope_type", "default") == "llama3" else None,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=tied,
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
@@ -110,8 +138,12 @@ class ModelConfig:
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
-            raise ValueError(f"model directory {str(path)!r} has no config.json")
-        return cls.from_dict(json.loads(config_path.read_text()))
+            raise CheckpointError(f"model directory {str(path)!r} has no config.json")
+        fields = read_json_object(config_path)
+        try:
+            return cls.from_dict(fields)
+        except ValueError as e:
+            raise CheckpointError(f"{config_path}: {e}") from None
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
@@ -135,9 +167,21 @@ def _positive_int(d: dict, field: str) -> int:
     return value
 
 
+def _positive_float(d: dict, field: str, default: float) -> float:
+    value = d.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"config field {field} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _rope_parameters(d: dict) -> dict:
     """transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`."""
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"config field rope_scaling/rope_parameters must be an object, got {rope!r}")
+    rope = dict(rope)
     rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     rope["rope_type"] = rope_type
@@ -150,6 +194,16 @@ def _rope_parameters(d: dict) -> dict:
 
 
 def _reject_unsupported(d: dict, model_type: str) -> None:
+    architectures = d.get("architectures")
+    if architectures is not None and (not isinstance(architectures, list)
+                                      or any(a != ARCHITECTURES[model_type] for a in architectures)):
+        raise ValueError(f"config field architectures={architectures!r} is not supported for model_type="
+                         f"{model_type!r} (only [{ARCHITECTURES[model_type]!r}])")
+    quantization = d.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"config field quantization_config (quant_method={method!r}): quantized checkpoints are "
+                         "not supported yet")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config field hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
     # Qwen2 always has a q/k/v bias; Llama's optional biases (q/k/v and o together) are not served.

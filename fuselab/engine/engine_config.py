@@ -50,7 +50,7 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        self.model_dir, self.model_config = _resolve_model(self.model)
+        self.model_dir, self.model_config = resolve_model(self.model)
         config = self.model_config
         self.device = _resolve_device(self.device)
         self.mode = _resolve_mode(self.mode, self.device)
@@ -75,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"max_model_len ({self.max_model_len}), so that the longest prompt can be prefilled")
         fraction = self.kv_cache_memory_fraction
-        if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
         if self.num_kv_blocks is not None:
             _check_positive_int("num_kv_blocks", self.num_kv_blocks)
@@ -106,8 +106,8 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=6)
 
 
-def _resolve_model(model: object) -> tuple[Path | None, ModelConfig]:
-    """(checkpoint directory or None for a preset, its config)."""
+def resolve_model(model: object) -> tuple[Path | None, ModelConfig]:
+    """(checkpoint directory or None for a preset, its config): config.json only, no weights read."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a checkpoint directory or a preset name, got {type(model).__name__}")
     path = Path(model)
@@ -115,6 +115,8 @@ def _resolve_model(model: object) -> tuple[Path | None, ModelConfig]:
         return path, ModelConfig.from_dir(path)
     if isinstance(model, str) and model in PRESETS:
         return None, ModelConfig.preset(model)
+    if path.is_file():
+        raise ValueError(f"model {str(model)!r} is a file: pass the checkpoint directory that holds it")
     raise ValueError(f"model {str(model)!r} is neither a checkpoint directory nor a preset ({', '.join(PRESETS)})")
 
 

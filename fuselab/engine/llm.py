@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import sys
@@ -13,7 +12,7 @@ from typing import Callable, Iterator, Sequence as SequenceType
 
 import torch
 
-from fuselab.engine.config import eos_token_ids
+from fuselab.engine.config import CheckpointError, eos_token_ids, read_json_object
 from fuselab.engine.engine_config import EngineConfig
 from fuselab.engine.kv_cache import BlockManager, KVCache, num_blocks_for_memory
 from fuselab.engine.model import build_model
@@ -61,12 +60,14 @@ class LLM:
         self.device, self.mode, self.dtype = engine_config.device, engine_config.mode, engine_config.dtype
         self.max_model_len = engine_config.max_model_len
 
+        # The small files first: a broken one is reported before the weights are read.
+        self.tokenizer = load_tokenizer(engine_config.model_dir)
+        eos_ids = config.eos_token_ids + _generation_eos(engine_config.model_dir)
         self.model = build_model(config, self.dtype, self.device, self.max_model_len, self.mode)
         if engine_config.model_dir is None:
             init_random(self.model)
         else:
             load_checkpoint(self.model, engine_config.model_dir)
-        self.tokenizer = load_tokenizer(engine_config.model_dir)
 
         num_kv_blocks = engine_config.num_kv_blocks
         if num_kv_blocks is None:
@@ -77,8 +78,7 @@ class LLM:
             engine_config.check_num_kv_blocks(num_kv_blocks)
         self.kv_cache = KVCache(config, num_kv_blocks, engine_config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(BlockManager(num_kv_blocks, engine_config.block_size), engine_config.max_num_seqs,
-                                   engine_config.max_num_batched_tokens, self.max_model_len,
-                                   config.eos_token_ids + _generation_eos(engine_config.model_dir))
+                                   engine_config.max_num_batched_tokens, self.max_model_len, eos_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device, engine_config.max_num_seqs,
                                   cuda_graphs=self.mode == "graphs")
         self._in_flight: StepOutput | None = None  # the step the GPU may still be running
@@ -163,9 +163,15 @@ class LLM:
             else list(sampling_params)
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        vocab = self.config.vocab_size
         for i, params in enumerate(params_list):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
+            # SamplingParams is built without a model: only here is the vocabulary known.
+            bad = next((j for j, t in enumerate(params.stop_token_ids) if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"sampling_params[{i}].stop_token_ids[{bad}]={params.stop_token_ids[bad]} is outside "
+                                 f"the vocabulary [0, {vocab})")
         token_lists = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]
         seqs = []
         for ids, params in zip(token_lists, params_list):
@@ -209,7 +215,11 @@ def _generation_eos(model_dir: Path | None) -> tuple[int, ...]:
     path = None if model_dir is None else model_dir / "generation_config.json"
     if path is None or not path.is_file():
         return ()
-    return eos_token_ids(json.loads(path.read_text()))
+    fields = read_json_object(path)
+    try:
+        return eos_token_ids(fields)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 @contextmanager

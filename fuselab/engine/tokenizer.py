@@ -9,6 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from fuselab.engine.config import CheckpointError
+
+TOKENIZER_FILE = "tokenizer.json"
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -20,7 +24,10 @@ class HFTokenizer:
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tokenizer = _Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = _Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise CheckpointError(f"{path}: not a readable tokenizer ({e})") from None
 
     def encode(self, text: str) -> list[int]:
         # With the special tokens the checkpoint's post-processor adds (Llama's BOS), as transformers does.
@@ -45,5 +52,5 @@ def load_tokenizer(model_dir: Path | None) -> Tokenizer | None:
     (model_dir None), bytes."""
     if model_dir is None:
         return ByteTokenizer()
-    path = model_dir / "tokenizer.json"
+    path = model_dir / TOKENIZER_FILE
     return HFTokenizer(path) if path.is_file() else None

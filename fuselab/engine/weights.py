@@ -7,16 +7,19 @@ GEMMs where the checkpoint has five.
 
 from __future__ import annotations
 
-import json
+from collections import Counter
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from fuselab.engine.config import CheckpointError, read_json_object
 from fuselab.engine.model import LlamaForCausalLM
 
 # Tensors some checkpoints carry that the engine recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The safetensors dtypes the loader casts from; integer or float8 tensors are quantized weights, or not weights.
+_WEIGHT_DTYPES = ("F32", "BF16", "F16")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -24,14 +27,18 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise CheckpointError(f"{index}: field weight_map must map tensor names to file names")
+        names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
-            raise ValueError(f"checkpoint {str(path)!r}: shards named in {index.name} are missing: {missing}")
+            raise CheckpointError(f"checkpoint {str(path)!r}: shards named in {index.name} are missing: {missing}")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"checkpoint {str(path)!r} has no *.safetensors files (pickled .bin checkpoints are not read)")
+        raise CheckpointError(f"checkpoint {str(path)!r} has no *.safetensors files (pickled .bin checkpoints are not "
+                              "read)")
     return files
 
 
@@ -59,30 +66,56 @@ def _expected_parts(model: LlamaForCausalLM) -> dict[str, int]:
 
 @torch.no_grad()
 def load_checkpoint(model: LlamaForCausalLM, path: str | Path) -> None:
-    """Copy every tensor of the checkpoint at `path` into `model` (cast to its dtype and device);
-    a tensor with no place in the model, or a parameter the checkpoint leaves empty, is an error."""
+    """Copy every tensor of the checkpoint at `path` into `model` (cast to its dtype and device).
+    A file that is not safetensors, a tensor with no place in the model, of another shape or of a
+    dtype other than float32/bfloat16/float16, a parameter the checkpoint leaves empty, and NaN or
+    inf in any weight are CheckpointErrors naming the file and the tensor."""
     params = dict(model.named_parameters())
-    filled: dict[str, int] = {}
+    loaded: dict[str, Path] = {}  # checkpoint tensor -> its file
+    finite: list[torch.Tensor] = []  # one device-side flag per tensor, read together at the end
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
-                    continue  # tied checkpoints may still store lm_head: the embedding is the same matrix
-                target, rows = _merged_slot(name, model)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} ({file.name}) has no place in a "
-                                     f"{model.config.model_type} model")
-                dest = params[target] if rows is None else params[target][rows]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                filled[target] = filled.get(target, 0) + 1
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.lm_head is None):
+                        continue  # tied checkpoints may still store lm_head: the embedding is the same matrix
+                    if name in loaded:
+                        raise CheckpointError(f"checkpoint {file}: tensor {name!r} is also in {loaded[name].name}")
+                    dest = _destination(model, params, file, name, f.get_slice(name))
+                    dest.copy_(f.get_tensor(name))
+                    # After the cast: a value the model's dtype cannot hold is as wrong as a NaN.
+                    finite.append(dest.isfinite().all())
+                    loaded[name] = file
+        except SafetensorError as e:
+            raise CheckpointError(f"checkpoint {file}: not a readable safetensors file ({e})") from None
+        except OSError as e:
+            raise CheckpointError(f"checkpoint {file}: cannot be read ({e})") from None
+    if finite and not (ok := torch.stack(finite).cpu()).all():  # one sync for the whole checkpoint
+        name = list(loaded)[int((~ok).nonzero()[0])]
+        dtype = str(params[_merged_slot(name, model)[0]].dtype).removeprefix("torch.")
+        raise CheckpointError(f"checkpoint {loaded[name]}: tensor {name!r} holds NaN or inf values (as {dtype})")
+    filled = Counter(_merged_slot(name, model)[0] for name in loaded)
     missing = [name for name, parts in _expected_parts(model).items() if filled.get(name, 0) < parts]
     if missing:
-        raise ValueError(f"checkpoint {str(path)!r} lacks weights for: {', '.join(missing[:8])}"
-                         + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks weights for: {', '.join(missing[:8])}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _destination(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], file: Path, name: str,
+                 view) -> torch.Tensor:
+    """The parameter, or rows of it, that checkpoint tensor `name` fills, once its dtype and shape
+    are checked from the file's header (`view`, a safetensors slice: nothing read yet)."""
+    target, rows = _merged_slot(name, model)
+    if target not in params:
+        raise CheckpointError(f"checkpoint {file}: tensor {name!r} has no place in a {model.config.model_type} model")
+    dest = params[target] if rows is None else params[target][rows]
+    if view.get_dtype() not in _WEIGHT_DTYPES:
+        raise CheckpointError(f"checkpoint {file}: tensor {name!r} has dtype {view.get_dtype()}; weights must be "
+                              f"{', '.join(_WEIGHT_DTYPES)}")
+    if tuple(view.get_shape()) != tuple(dest.shape):
+        raise CheckpointError(f"checkpoint {file}: tensor {name!r} has shape {tuple(view.get_shape())}, the model "
+                              f"expects {tuple(dest.shape)}")
+    return dest
 
 
 @torch.no_grad()
