@@ -11,15 +11,24 @@ a batch-1 GEMV split into 8 blocks runs on 8 of an H200's 132 SMs. NCCL kernels 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
 from fuselab.doctor.analyze import Analysis
-from fuselab.doctor.fusion import kernel_label
 from fuselab.doctor.trace import GpuEvent, Trace
 
 TOP_KERNELS = 15
 UNITS = {"compute": "TFLOP/s", "memory": "GB/s"}
+_TEMPLATE = re.compile(r"<[^<>]*>")
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without return type, namespaces, template and arguments: "CatArrayBatchedCopy"."""
+    short = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    while _TEMPLATE.search(short):
+        short = _TEMPLATE.sub("", short)
+    return short.split("(")[0].split("::")[-1].strip() or name
 
 
 def is_communication(event: GpuEvent) -> bool:
@@ -92,7 +101,7 @@ def _row(a: Analysis, name: str, indices: list[int], n_steps: int, step_us: floa
         sms[device] = sm_count(a.trace, device)
     device_sms = sms[device]
     return KernelRow(
-        name=name, label=kernel_label(events[0], None), op=time_by["op"].most_common(1)[0][0],
+        name=name, label=short_name(name), op=time_by["op"].most_common(1)[0][0],
         calls_per_step=len(events) / n_steps, us_per_step=total / n_steps,
         share=total / n_steps / step_us if step_us > 0 else 0.0, bound=bound,
         achieved=achieved, unit=UNITS.get(bound) if achieved is not None else None, ceiling=ceiling, pct_of_ceiling=pct,

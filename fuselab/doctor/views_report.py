@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from fuselab.doctor.kernels_table import TOP_KERNELS, KernelRow
-from fuselab.doctor.regions import Region
+from fuselab.doctor.regions import Region, Regions
 from fuselab.doctor.views import Views
 
 MIN_REGION_SHARE = 0.01  # regions with less of the GPU time than this are left to the JSON
@@ -52,29 +52,41 @@ def kernels_table(v: Views, limit: int = TOP_KERNELS) -> Table | None:
     return table
 
 
+def shown_regions(rows: list[Region]) -> list[Region]:
+    """The regions worth a row: at least MIN_REGION_SHARE of the GPU time, at most MAX_REGION_ROWS of them."""
+    return [r for r in rows if r.share >= MIN_REGION_SHARE][:MAX_REGION_ROWS]
+
+
+def hidden_note(shown: list[Region], rows: list[Region]) -> str:
+    if len(shown) == len(rows):
+        return ""
+    return (f"{len(rows) - len(shown)} more regions (under {100 * MIN_REGION_SHARE:g}% of the GPU time, "
+            f"or past the first {MAX_REGION_ROWS} rows) in the JSON output")
+
+
+def by_phase(r: Regions) -> list[Region]:
+    """Each phase followed by its module tree."""
+    return [row for phase in r.phases for row in [phase] + [m for m in r.modules if m.path[0] == phase.path[0]]]
+
+
 def _region_table(title: str, rows: list[Region], first_column: str) -> Table | None:
-    shown = [r for r in rows if r.share >= MIN_REGION_SHARE][:MAX_REGION_ROWS]
+    shown = shown_regions(rows)
     if not shown:
         return None
-    table = Table(title=title)
+    table = Table(title=title, caption=hidden_note(shown, rows) or None)
     for col in (first_column, "GPU us / step", "share", "kernels / step", "host us / step"):
         table.add_column(col, justify="left" if col == first_column else "right")
     for r in shown:
         host = "" if r.host_us_per_step is None else f"{r.host_us_per_step:.0f}"
         table.add_row("  " * (len(r.path) - 1) + r.path[-1], f"{r.gpu_us_per_step:.1f}", f"{100 * r.share:.1f}%",
                       f"{r.kernels_per_step:g}", host)
-    if len(shown) < len(rows):
-        table.caption = (f"{len(rows) - len(shown)} more regions (under {100 * MIN_REGION_SHARE:g}% of the GPU time, "
-                         f"or past the first {MAX_REGION_ROWS} rows) in the JSON output")
     return table
 
 
 def region_tables(v: Views) -> list[Table]:
     """Phases with the module tree under each, then the record_function ranges (when any were recorded)."""
-    r = v.regions
-    by_phase = [row for phase in r.phases for row in [phase] + [m for m in r.modules if m.path[0] == phase.path[0]]]
-    tables = [_region_table("GPU time by phase and module (charged where the work was launched)", by_phase, "region"),
-              _region_table("GPU time by record_function range", r.ranges, "range")]
+    tables = [_region_table("GPU time by phase and module (charged where the work was launched)", by_phase(v.regions), "region"),
+              _region_table("GPU time by record_function range", v.regions.ranges, "range")]
     return [t for t in tables if t is not None]
 
 
