@@ -73,8 +73,17 @@ def test_cli_compare_prints_and_writes_json(tmp_path, capsys):
     assert data["syncs"]["gone"] == [{"name": "`.item()` at train.py (loop)", "before": 10.0, "after": 0.0}]
 
 
+def test_help_explains_the_new_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["doctor", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--compare BEFORE AFTER", "--perfetto PATH", "zooms", "top kernels", "record_function", "NCCL"):
+        assert text in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--compare", "a.json", "b.json", "--trace", "t.json"], "give no --trace or SCRIPT"),
+    (["--compare", "a.json", "b.json", "--html", "r.html"], "describe one run"),
     (["--compare", "/nonexistent/a.json", "/nonexistent/b.json"], "no such file"),
 ])
 def test_cli_compare_rejects_bad_input(argv, message, capsys):

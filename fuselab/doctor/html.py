@@ -125,7 +125,8 @@ def _steps_section(d: Diagnosis) -> str:
 def _raw_trace_note(d: Diagnosis) -> str:
     return (f"The whole trace, every step and host thread: open {html.escape(d.analysis.trace.path)} at ui.perfetto.dev "
             "(Open trace file; it loads in the browser and is not uploaded) or in chrome://tracing. "
-            "In SCRIPT mode, keep the trace with --save-trace PATH.")
+            "In SCRIPT mode, keep the trace with --save-trace PATH; `fuselab doctor --perfetto PATH` writes it with the "
+            "doctor's findings (steps, idle gaps by cause, syncs) added as tracks.")
 
 
 def _short(text: str, width: int = 60) -> str:
