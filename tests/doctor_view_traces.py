@@ -8,6 +8,7 @@ from __future__ import annotations
 from doctor_traces import PID, STREAM, TID, TraceBuilder
 
 BACKWARD_TID = 4343  # autograd runs backward on a thread of its own on CUDA
+BACKWARD = "autograd::engine::evaluate_function: "  # the op the autograd engine records around each backward node
 COPY_STREAM, NCCL_STREAM = 9, 11
 SMS = 132
 
@@ -41,7 +42,8 @@ class ViewTraceBuilder(TraceBuilder):
             "External id": external_id or 0, "device": 0, "stream": stream, "correlation": corr,
             "grid": list(grid), "block": [128, 1, 1],
         })
-        self.events.append({"ph": "s", "id": corr, "pid": PID, "tid": tid, "ts": self.events[-2]["ts"], "cat": "ac2g", "name": "ac2g"})
+        self.events.append({"ph": "s", "id": corr, "pid": PID, "tid": tid, "ts": self.events[-2]["ts"], "cat": "ac2g",
+                            "name": "ac2g"})
         self.events.append({"ph": "f", "id": corr, "pid": 0, "tid": stream, "ts": self.events[-2]["ts"], "cat": "ac2g",
                             "name": "ac2g", "bp": "e"})
 
@@ -101,12 +103,12 @@ def training_step(steps: int = 2) -> ViewTraceBuilder:
         ext = b.op_on("aten::sum", s + 950, 20.0, dims=[[64, 1024]], types=["c10::BFloat16"])
         b.kernel_on("reduce_kernel", s + 955, s + 960, 10.0, ext)
 
-        ext = b.op_on("autograd::engine::evaluate_function: AddmmBackward0", s + 1100, 100.0, BACKWARD_TID, sequence=seq_1)
+        ext = b.op_on(f"{BACKWARD}AddmmBackward0", s + 1100, 100.0, BACKWARD_TID, sequence=seq_1)
         b.kernel_on(GEMM, s + 1110, s + 1150, 100.0, ext, tid=BACKWARD_TID)
-        ext = b.op_on("autograd::engine::evaluate_function: AddmmBackward0", s + 1300, 100.0, BACKWARD_TID, sequence=seq_0)
+        ext = b.op_on(f"{BACKWARD}AddmmBackward0", s + 1300, 100.0, BACKWARD_TID, sequence=seq_0)
         b.kernel_on(GEMM, s + 1310, s + 1350, 200.0, ext, tid=BACKWARD_TID)
         b.kernel_on(GEMM, s + 1320, s + 1560, 200.0, ext, tid=BACKWARD_TID)
-        ext = b.op_on("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", s + 1800, 50.0, BACKWARD_TID)
+        ext = b.op_on(f"{BACKWARD}torch::autograd::AccumulateGrad", s + 1800, 50.0, BACKWARD_TID)
         b.kernel_on("vectorized_elementwise_kernel", s + 1810, s + 1820, 20.0, ext, tid=BACKWARD_TID)
 
         b.annotation("Optimizer.step#AdamW.step", s + 2000, 500.0)

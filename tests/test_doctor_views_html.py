@@ -17,7 +17,8 @@ from fuselab.doctor import analyze_trace
 from fuselab.doctor.html import write_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: `apt-get install -y chromium` to render the HTML report")
+pytestmark = pytest.mark.skipif(CHROMIUM is None,
+                                reason="no headless browser: `apt-get install -y chromium` to render the HTML report")
 
 # Appended to the page: drives the timeline the way a person would and writes what happened into the page.
 PROBE = """
@@ -29,7 +30,8 @@ window.addEventListener("load", () => {
   const axis = () => [svg.querySelector(".tl-axis-left").textContent, svg.querySelector(".tl-axis-right").textContent];
   const state = () => ({transform: events.getAttribute("transform"), axis: axis()});
   const out = {};
-  const kernel = [...events.querySelectorAll("rect")].find((r) => r.querySelector("title").textContent.includes("KERNEL"));
+  const kernel = [...events.querySelectorAll("rect")]
+    .find((r) => r.querySelector("title").textContent.includes("KERNEL"));
   const r = kernel.getBoundingClientRect();
   kernel.dispatchEvent(new MouseEvent("mousemove", {bubbles: true, clientX: r.left + 2, clientY: r.top + 2}));
   out.hover = {text: tip.textContent, display: tip.style.display};
@@ -84,7 +86,7 @@ def test_timeline_zooms_pans_and_resets(tmp_path):
     assert scale > 2 and shift == pytest.approx(150 * (1 - scale))  # about the step's start (x = 150), which stays put
     assert result["zoomed"]["axis"][0] == "0.0 us" and float(result["zoomed"]["axis"][1].split()[0]) < 500
     panned_scale, panned_shift = _scale_and_shift(result["panned"]["transform"])
-    assert panned_scale == scale and panned_shift == pytest.approx(shift - 100)  # dragged 100 px left: later in the step
+    assert panned_scale == scale and panned_shift == pytest.approx(shift - 100)  # dragged 100 px left: later on
     assert float(result["panned"]["axis"][0].split()[0]) > 0
     assert result["reset"] == {"transform": "translate(0 0) scale(1 1)", "axis": ["0.0 us", "1000 us"]}
 
@@ -100,4 +102,5 @@ def test_detail_tables_are_on_the_rendered_page(tmp_path):
 def test_sync_bound_page_renders_its_syncs(tmp_path):
     result, dom = _probe(tmp_path, dt.sync_bound(), "sm90_xmma_gemm")
     assert dom.count("`.item()` at train.py:42 (loop): blocked 19.0 us") == 10
-    assert result["hover"]["text"].startswith("aten::mm: 20.0 us") and "sm90_xmma_gemm_bf16bf16_bf16f32" in result["hover"]["text"]
+    hover = result["hover"]["text"]
+    assert hover.startswith("aten::mm: 20.0 us") and "sm90_xmma_gemm_bf16bf16_bf16f32" in hover

@@ -26,7 +26,8 @@ def test_tracks_are_added_and_the_trace_kept(tmp_path):
     sync = next(e for e in added if e["name"].startswith("sync:"))
     assert sync["args"]["source"] == "train.py:42 (loop)" and sync["dur"] == 19.0
     # The doctor reads its own output as the trace it was.
-    assert analyze_trace(out, ceilings=STATED_CEILINGS).to_dict()["per_step"] == analyze_trace(source, ceilings=STATED_CEILINGS).to_dict()["per_step"]
+    reread = analyze_trace(out, ceilings=STATED_CEILINGS).to_dict()["per_step"]
+    assert reread == analyze_trace(source, ceilings=STATED_CEILINGS).to_dict()["per_step"]
 
 
 def test_cli_writes_gzipped_tracks(tmp_path, capsys):

@@ -60,7 +60,7 @@ def test_graph_replay_is_charged_where_the_graph_was_launched(tmp_path):
 def test_work_without_a_recorded_launch_is_set_apart(tmp_path):
     b = vt.ViewTraceBuilder()
     b.step(0, 0.0, 100.0)
-    b._x("kernel", "orphan_kernel", 10.0, 5.0, pid=0, tid=dt.STREAM, device=0, stream=dt.STREAM)  # no correlation, no op
+    b._x("kernel", "orphan_kernel", 10.0, 5.0, pid=0, tid=dt.STREAM, device=0, stream=dt.STREAM)  # no launch, no op
     phases = _regions(b.write(tmp_path / "t.json")).phases
     assert [(p.path, p.gpu_us_per_step) for p in phases] == [((UNATTRIBUTED,), 5.0)]
 

@@ -36,19 +36,21 @@ def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="FILE", help="analyze this torch.profiler trace instead of running a script")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
                    help="compare two runs, each a torch.profiler trace or a --json output, instead of diagnosing one")
-    p.add_argument("--json", metavar="PATH", help="write the diagnosis (with --compare: the comparison) as JSON to PATH")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the diagnosis (with --compare: the comparison) as JSON to PATH")
     p.add_argument("--html", metavar="PATH",
-                   help="write a self-contained HTML report to PATH: a timeline of the median step that zooms (wheel) and "
-                        "pans (drag) with kernel names on hover, and the tables")
+                   help="write a self-contained HTML report to PATH: a timeline of the median step that zooms "
+                        "(wheel) and pans (drag) with kernel names on hover, and the tables")
     p.add_argument("--perfetto", metavar="PATH",
-                   help="write the trace with the doctor's findings added as tracks (steps, idle gaps by cause, syncs) to "
-                        "PATH (.json or .json.gz), to open at ui.perfetto.dev or in chrome://tracing")
+                   help="write the trace with the doctor's findings added as tracks (steps, idle gaps by cause, "
+                        "syncs) to PATH (.json or .json.gz), to open at ui.perfetto.dev or in chrome://tracing")
     p.add_argument("--probe", metavar="PROBE_JSON",
                    help="ceilings from this `fuselab probe --json` result (default: the cached probe, else stated H200 figures)")
     p.add_argument("--steps", type=int, default=5, help="SCRIPT mode: steps to profile after the warm-up (default 5)")
     p.add_argument("--warmup", type=int, default=None,
                    help="steps to leave out at the start: in SCRIPT mode the first marked steps, with --trace the "
-                        "first ProfilerStep ranges, also of traces given to --compare (default 1 for SCRIPT, 0 with --trace)")
+                        "first ProfilerStep ranges, also of traces given to --compare (default 1 for SCRIPT, "
+                        "0 with --trace)")
     p.add_argument("--save-trace", metavar="PATH", help="SCRIPT mode: keep the recorded trace at PATH (.json or .json.gz)")
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="a Python script to run under the profiler")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
@@ -134,10 +136,12 @@ def _run_compare(args: argparse.Namespace, console) -> int:
         console.print("[red]error:[/] --compare takes its two runs by itself: give no --trace or SCRIPT with it")
         return 2
     if args.html or args.perfetto:
-        console.print("[red]error:[/] --html and --perfetto describe one run: diagnose each run for them, not --compare")
+        console.print("[red]error:[/] --html and --perfetto describe one run: diagnose each run for them, "
+                      "not --compare")
         return 2
     try:
-        comparison = compare(*args.compare, ceilings=ceilings(args.probe) if args.probe else None, skip_steps=args.warmup or 0)
+        comparison = compare(*args.compare, ceilings=ceilings(args.probe) if args.probe else None,
+                             skip_steps=args.warmup or 0)
     except (ValueError, FileNotFoundError) as err:
         console.print(f"[red]error:[/] {err}")
         return 2

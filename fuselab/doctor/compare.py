@@ -104,10 +104,13 @@ def _metrics(before: dict, after: dict) -> list[Metric]:
 
     metrics = [Metric("step time", _step_us(before), _step_us(after), "us"),
                Metric("GPU busy", *both("gpu_busy_pct"), "%")]
-    parts = list(before.get("breakdown", {})) + [p for p in after.get("breakdown", {}) if p not in before.get("breakdown", {})]
+    parts = list(before.get("breakdown", {}))
+    parts += [p for p in after.get("breakdown", {}) if p not in parts]  # a part only the newer doctor reports
     for part in parts:
-        metrics.append(Metric(PART_NAMES.get(part, part.replace("_", " ")), *both(part, lambda r, k: r.get("breakdown", {}).get(k, {}).get("us")), "us"))
-    for key, name in (("kernels_per_step", "kernels"), ("graph_launches_per_step", "graph launches"), ("syncs_per_step", "syncs")):
+        values = both(part, lambda r, k: r.get("breakdown", {}).get(k, {}).get("us"))
+        metrics.append(Metric(PART_NAMES.get(part, part.replace("_", " ")), *values, "us"))
+    for key, name in (("kernels_per_step", "kernels"), ("graph_launches_per_step", "graph launches"),
+                      ("syncs_per_step", "syncs")):
         metrics.append(Metric(name, *both(key), ""))
     for key, name in (("copy_us", "copy time"), ("copy_compute_overlap_us", "copy under compute"),
                       ("communication_us", "communication (NCCL)")):

@@ -78,10 +78,11 @@ def timeline_svg(diagnosis: Diagnosis) -> str:
     height = ROW * len(rows) + 24
     labels, events = parts[:len(rows)], parts[len(rows):]
     axis = (f'<text class="tl-axis-left" x="{LABEL}" y="{height - 6}" font-size="11">0 us</text>'
-            f'<text class="tl-axis-right" x="{right}" y="{height - 6}" font-size="11" text-anchor="end">{span:.0f} us</text>')
+            f'<text class="tl-axis-right" x="{right}" y="{height - 6}" font-size="11" text-anchor="end">'
+            f'{span:.0f} us</text>')
     # The events sit in a group that the page's script scales and shifts along x, clipped to the time area.
-    return (f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" '
-            f'data-left="{LABEL}" data-right="{right}" data-span="{span:.3f}" style="cursor:grab">'
+    return (f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+            f'font-family="sans-serif" data-left="{LABEL}" data-right="{right}" data-span="{span:.3f}" style="cursor:grab">'
             f'<title>{html.escape(step.name)}</title><defs><clipPath id="tl-clip"><rect x="{LABEL}" y="0" '
             f'width="{right - LABEL}" height="{height}"/></clipPath></defs>{"".join(labels)}'
             f'<g clip-path="url(#tl-clip)"><g class="tl-events">{"".join(events)}</g></g>{axis}</svg>')
@@ -123,10 +124,10 @@ def _steps_section(d: Diagnosis) -> str:
 
 
 def _raw_trace_note(d: Diagnosis) -> str:
-    return (f"The whole trace, every step and host thread: open {html.escape(d.analysis.trace.path)} at ui.perfetto.dev "
-            "(Open trace file; it loads in the browser and is not uploaded) or in chrome://tracing. "
-            "In SCRIPT mode, keep the trace with --save-trace PATH; `fuselab doctor --perfetto PATH` writes it with the "
-            "doctor's findings (steps, idle gaps by cause, syncs) added as tracks.")
+    return (f"The whole trace, every step and host thread: open {html.escape(d.analysis.trace.path)} at "
+            "ui.perfetto.dev (Open trace file; it loads in the browser and is not uploaded) or in chrome://tracing. "
+            "In SCRIPT mode, keep the trace with --save-trace PATH; `fuselab doctor --perfetto PATH` writes it with "
+            "the doctor's findings (steps, idle gaps by cause, syncs) added as tracks.")
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -144,7 +145,8 @@ def _regions_table(rows: list[Region], first: str) -> str:
     cells = [[f'<span style="padding-left:{1.2 * (len(r.path) - 1):.1f}em">{html.escape(r.path[-1])}</span>',
               f"{r.gpu_us_per_step:.1f}", f"{100 * r.share:.1f}%", f"{r.kernels_per_step:g}",
               "" if r.host_us_per_step is None else f"{r.host_us_per_step:.0f}"] for r in shown]
-    return _table([first, "GPU us / step", "share", "kernels / step", "host us / step"], cells, hidden_note(shown, rows))
+    return _table([first, "GPU us / step", "share", "kernels / step", "host us / step"], cells,
+                  hidden_note(shown, rows))
 
 
 def _views_section(v: Views | None) -> str:
@@ -153,22 +155,26 @@ def _views_section(v: Views | None) -> str:
         return ""
     out = []
     if v.kernels:
-        cells = [[f'<span title="{html.escape(k.name)}">{html.escape(_short(k.label))}</span>', html.escape(_short(k.op or "—")),
-                  f"{k.calls_per_step:g}", f"{k.us_per_step:.1f}", f"{100 * k.share:.1f}%", html.escape(achieved_text(k)),
-                  f'<b style="color:#b36b00">{html.escape(grid_text(k))}</b>' if k.underfilled else html.escape(grid_text(k))]
+        cells = [[f'<span title="{html.escape(k.name)}">{html.escape(_short(k.label))}</span>',
+                  html.escape(_short(k.op or "—")), f"{k.calls_per_step:g}", f"{k.us_per_step:.1f}",
+                  f"{100 * k.share:.1f}%", html.escape(achieved_text(k)),
+                  f'<b style="color:#b36b00">{html.escape(grid_text(k))}</b>' if k.underfilled
+                  else html.escape(grid_text(k))]
                  for k in v.kernels[:TOP_KERNELS]]
         out.append(f"<h2>top kernels ({len(cells)} of {len(v.kernels)})</h2>"
-                   + _table(["kernel", "op", "calls / step", "us / step", "share", "achieved (of ceiling)", "grid"], cells))
+                   + _table(["kernel", "op", "calls / step", "us / step", "share", "achieved (of ceiling)", "grid"],
+                            cells))
     if shown_regions(by_phase(v.regions)):
         out.append("<h2>GPU time by phase and module</h2>" + _regions_table(by_phase(v.regions), "region"))
     if shown_regions(v.regions.ranges):
         out.append("<h2>GPU time by record_function range</h2>" + _regions_table(v.regions.ranges, "range"))
     s = v.streams
     if len(s.rows) > 1 or s.communication_us:
-        cells = [[str(r.device), str(r.stream), f"{r.busy_us:.1f}", f"{100 * r.share:.0f}%", f"{r.kernels:g}", f"{r.copies:g}",
-                  f"{r.communication_us:.1f}"] for r in s.rows]
+        cells = [[str(r.device), str(r.stream), f"{r.busy_us:.1f}", f"{100 * r.share:.0f}%", f"{r.kernels:g}",
+                  f"{r.copies:g}", f"{r.communication_us:.1f}"] for r in s.rows]
         note = (f"copies {s.copy_us:.0f} us per step, {s.copy_compute_overlap_us:.0f} us of it under compute; NCCL "
-                f"{s.communication_us:.0f} us per step, {s.communication_compute_overlap_us:.0f} us of it under compute")
+                f"{s.communication_us:.0f} us per step, {s.communication_compute_overlap_us:.0f} us of it under "
+                "compute")
         out.append("<h2>streams</h2>" + _table(["GPU", "stream", "busy us / step", "share", "kernels / step",
                                                 "copies / step", "NCCL us / step"], cells, note))
     return "".join(out)

@@ -74,7 +74,8 @@ def _rate(bound: str, amount: float, dur_us: float) -> float:
     return amount / (dur_us * (1e6 if bound == "compute" else 1e3))
 
 
-def _row(a: Analysis, name: str, indices: list[int], n_steps: int, step_us: float, sms: dict[int, int | None]) -> KernelRow:
+def _row(a: Analysis, name: str, indices: list[int], n_steps: int, step_us: float,
+         sms: dict[int, int | None]) -> KernelRow:
     events = [a.trace.gpu[i] for i in indices]
     total = sum(g.dur for g in events)
     time_by: dict[str, Counter] = {"op": Counter(), "bound": Counter(), "shape": Counter()}

@@ -19,7 +19,8 @@ CATEGORY = "fuselab_doctor"
 TRACKS = {"steps": (1, "steps, as analyzed"), "gaps": (2, "GPU idle, by cause"), "syncs": (3, "host syncs")}
 GAP_NAMES = {"launch": "launch gap (GPU waited for the host)", "sync": "sync stall", "other": "other idle",
              "profiler": "profiler overhead (left out of the step)"}
-STEP_FIGURES = ("wall_us", "gpu_busy_us", "gpu_busy_pct", "kernels", "launch_gap_us", "sync_stall_us", "other_idle_us", "syncs")
+STEP_FIGURES = ("wall_us", "gpu_busy_us", "gpu_busy_pct", "kernels", "launch_gap_us", "sync_stall_us", "other_idle_us",
+                "syncs")
 
 
 def _read(path: Path) -> dict:
@@ -31,15 +32,17 @@ def _read(path: Path) -> dict:
 def doctor_events(a: Analysis, pid: int) -> list[dict]:
     """The doctor's tracks as Chrome trace events in process `pid`."""
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "fuselab doctor"}}]
-    events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}} for tid, name in TRACKS.values()]
+    events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+               for tid, name in TRACKS.values()]
 
     def span(track: str, name: str, ts: float, dur: float, args: dict) -> dict:
-        return {"ph": "X", "cat": CATEGORY, "name": name, "pid": pid, "tid": TRACKS[track][0], "ts": ts, "dur": dur, "args": args}
+        return {"ph": "X", "cat": CATEGORY, "name": name, "pid": pid, "tid": TRACKS[track][0], "ts": ts, "dur": dur,
+                "args": args}
 
     for stats, gaps, syncs in zip(a.steps, a.gaps, a.syncs):
         figures = stats.to_dict()
-        events.append(span("steps", f"{stats.name}: GPU busy {stats.gpu_busy_pct:.0f}%", stats.start, stats.end - stats.start,
-                           {key: figures[key] for key in STEP_FIGURES}))
+        events.append(span("steps", f"{stats.name}: GPU busy {stats.gpu_busy_pct:.0f}%", stats.start,
+                           stats.end - stats.start, {key: figures[key] for key in STEP_FIGURES}))
         events += [span("gaps", GAP_NAMES.get(kind, kind), g0, g1 - g0, {"us": g1 - g0}) for g0, g1, kind in gaps]
         events += [span("syncs", f"sync: {s.cause}", s.ts, s.blocked_us, s.to_dict()) for s in syncs]
     return events

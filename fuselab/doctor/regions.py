@@ -36,8 +36,9 @@ class Region:
     host_us_per_step: float | None = None  # how long the range itself was open on the host
 
     def to_dict(self) -> dict:
-        return {"path": list(self.path), "gpu_us_per_step": self.gpu_us_per_step, "kernels_per_step": self.kernels_per_step,
-                "share": self.share, "host_us_per_step": self.host_us_per_step}
+        return {"path": list(self.path), "gpu_us_per_step": self.gpu_us_per_step,
+                "kernels_per_step": self.kernels_per_step, "share": self.share,
+                "host_us_per_step": self.host_us_per_step}
 
 
 @dataclass
@@ -91,7 +92,8 @@ class _Attribution:
 
     def __init__(self, a: Analysis):
         trace = a.trace
-        self.ranges = _Nest([s for s in trace.annotations if not s.name.startswith(STEP_PREFIX) and s.name != STEP_BOUNDARY])
+        self.ranges = _Nest([s for s in trace.annotations
+                             if not s.name.startswith(STEP_PREFIX) and s.name != STEP_BOUNDARY])
         self.modules = _Nest([f for f in trace.py_frames if f.name.startswith(MODULE_PREFIX)],
                              name_of=lambda f: f.name.removeprefix(MODULE_PREFIX))
         self.backward = _Nest([op for op in trace.cpu_ops if op.name.startswith(BACKWARD_PREFIX)])

@@ -85,7 +85,8 @@ def _region_table(title: str, rows: list[Region], first_column: str) -> Table | 
 
 def region_tables(v: Views) -> list[Table]:
     """Phases with the module tree under each, then the record_function ranges (when any were recorded)."""
-    tables = [_region_table("GPU time by phase and module (charged where the work was launched)", by_phase(v.regions), "region"),
+    tables = [_region_table("GPU time by phase and module (charged where the work was launched)",
+                            by_phase(v.regions), "region"),
               _region_table("GPU time by record_function range", v.regions.ranges, "range")]
     return [t for t in tables if t is not None]
 
@@ -99,8 +100,8 @@ def streams_table(v: Views) -> Table | None:
     for col in ("GPU", "stream", "busy us / step", "share", "kernels / step", "copies / step", "NCCL us / step"):
         table.add_column(col, justify="right")
     for row in s.rows:
-        table.add_row(str(row.device), str(row.stream), f"{row.busy_us:.1f}", f"{100 * row.share:.0f}%", f"{row.kernels:g}",
-                      f"{row.copies:g}", f"{row.communication_us:.1f}")
+        table.add_row(str(row.device), str(row.stream), f"{row.busy_us:.1f}", f"{100 * row.share:.0f}%",
+                      f"{row.kernels:g}", f"{row.copies:g}", f"{row.communication_us:.1f}")
     notes = []
     if s.copy_us:
         notes.append(f"copies {s.copy_us:.0f} us per step, {s.copy_compute_overlap_us:.0f} us of it under compute")
