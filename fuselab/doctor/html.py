@@ -232,7 +232,7 @@ def _page(diagnosis: Diagnosis) -> str:
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>fuselab doctor: {html.escape(d.verdict)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1150px}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ddd;padding:3px 8px;text-align:right}} td:first-child,th:first-child{{text-align:left}}
+td,th{{border:1px solid #ddd;padding:3px 8px;text-align:right}} td:first-child,th:first-child{{text-align:left}} td{{white-space:nowrap}}
 #tl-tip{{position:absolute;display:none;pointer-events:none;background:#fffff0;border:1px solid #999;padding:4px 6px;
 font-size:12px;white-space:pre;max-width:900px;overflow:hidden;box-shadow:2px 2px 4px #0003}}</style></head>
 <body><h1>fuselab doctor: {html.escape(d.verdict)}</h1>
