@@ -14,7 +14,13 @@ DESCRIPTION = (
     "fuselab.doctor.step() (a script that marks none is profiled whole, as one step). Prints the verdict, the "
     "evidence (GPU busy time, idle gaps split into launch gaps, sync stalls and other idle, syncs with their "
     "source lines, roofline position against the `fuselab probe` ceilings, recurring kernel sequences) and "
-    "ranked fixes: CUDA-graph capture, fuselab fused kernels, removing a sync at file:line."
+    "ranked fixes: CUDA-graph capture, fuselab fused kernels, removing a sync at file:line. Then the detail "
+    "tables: the top kernels (calls and us per step, share of the step, achieved TFLOP/s or GB/s against the "
+    "ceiling, grid size against the SM count, under-filled grids flagged), GPU time by phase (forward, backward, "
+    "optimizer), by nn.Module (per layer) and by record_function range, and, with several streams, busy time "
+    "per stream, copy/compute overlap and NCCL communication. --compare BEFORE AFTER sets two runs side by side "
+    "(each a trace or a --json output) to confirm a fix: the step's parts, the verdict change, and the kernels, "
+    "ops and syncs that went away."
 )
 
 
@@ -23,18 +29,28 @@ def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
         "doctor", help="profile a workload (or read a trace) and say why it is slow, with the fix",
         description=DESCRIPTION,
         epilog="examples:  fuselab doctor --trace trace.json.gz --html report.html\n"
-               "           fuselab doctor --steps 10 decode.py --max-tokens 32",
+               "           fuselab doctor --steps 10 decode.py --max-tokens 32\n"
+               "           fuselab doctor --compare before.json.gz after.json.gz --json change.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--trace", metavar="FILE", help="analyze this torch.profiler trace instead of running a script")
-    p.add_argument("--json", metavar="PATH", help="write the diagnosis as JSON to PATH")
-    p.add_argument("--html", metavar="PATH", help="write a self-contained HTML report with a timeline to PATH")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="compare two runs, each a torch.profiler trace or a --json output, instead of diagnosing one")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the diagnosis (with --compare: the comparison) as JSON to PATH")
+    p.add_argument("--html", metavar="PATH",
+                   help="write a self-contained HTML report to PATH: a timeline of the median step that zooms "
+                        "(wheel) and pans (drag) with kernel names on hover, and the tables")
+    p.add_argument("--perfetto", metavar="PATH",
+                   help="write the trace with the doctor's findings added as tracks (steps, idle gaps by cause, "
+                        "syncs) to PATH (.json or .json.gz), to open at ui.perfetto.dev or in chrome://tracing")
     p.add_argument("--probe", metavar="PROBE_JSON",
                    help="ceilings from this `fuselab probe --json` result (default: the cached probe, else stated H200 figures)")
     p.add_argument("--steps", type=int, default=5, help="SCRIPT mode: steps to profile after the warm-up (default 5)")
     p.add_argument("--warmup", type=int, default=None,
                    help="steps to leave out at the start: in SCRIPT mode the first marked steps, with --trace the "
-                        "first ProfilerStep ranges (default 1 for SCRIPT, 0 with --trace)")
+                        "first ProfilerStep ranges, also of traces given to --compare (default 1 for SCRIPT, "
+                        "0 with --trace)")
     p.add_argument("--save-trace", metavar="PATH", help="SCRIPT mode: keep the recorded trace at PATH (.json or .json.gz)")
     p.add_argument("script", nargs="?", metavar="SCRIPT", help="a Python script to run under the profiler")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT")
@@ -52,6 +68,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     from fuselab.doctor.verdict import verdict_for
 
     console = Console()
+    if args.compare:
+        return _run_compare(args, console)
     if bool(args.trace) == bool(args.script):
         console.print("[red]error:[/] give either --trace FILE or SCRIPT (see `fuselab doctor --help`)")
         return 2
@@ -90,6 +108,10 @@ def run_doctor(args: argparse.Namespace) -> int:
                 bar.stop()
                 console.print(f"[red]error:[/] {err}")
                 return 2
+        if args.perfetto:
+            from fuselab.doctor.perfetto import write_perfetto
+
+            write_perfetto(analysis, args.perfetto)  # here, while a SCRIPT's trace still exists
     diagnosis = verdict_for(analysis)
     render(diagnosis, console)
     if args.json:
@@ -98,5 +120,35 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.html:
         write_html(diagnosis, args.html)
         console.print(f"wrote {args.html}")
+    if args.perfetto:
+        console.print(f"wrote {args.perfetto}")
     return 0
 
+
+
+def _run_compare(args: argparse.Namespace, console) -> int:
+    import json
+
+    from fuselab.device import ceilings
+    from fuselab.doctor.compare import compare, render_comparison
+
+    if args.trace or args.script:
+        console.print("[red]error:[/] --compare takes its two runs by itself: give no --trace or SCRIPT with it")
+        return 2
+    if args.html or args.perfetto:
+        console.print("[red]error:[/] --html and --perfetto describe one run: diagnose each run for them, "
+                      "not --compare")
+        return 2
+    try:
+        comparison = compare(*args.compare, ceilings=ceilings(args.probe) if args.probe else None,
+                             skip_steps=args.warmup or 0)
+    except (ValueError, FileNotFoundError) as err:
+        console.print(f"[red]error:[/] {err}")
+        return 2
+    render_comparison(comparison, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(comparison.to_dict(), f, indent=2)
+            f.write("\n")
+        console.print(f"wrote {args.json}")
+    return 0

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.verdict import Diagnosis
+from fuselab.doctor.views_report import view_tables
 
 VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green"}
 PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "launch_gaps": "launch gaps (GPU waited for the host)",
@@ -82,6 +83,8 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
         for table in (_steps_table(d.analysis), _syncs_table(d.analysis), _fusion_table(d.analysis)):
             if table is not None:
                 console.print(table)
+    for table in view_tables(d.views):
+        console.print(table)
     console.print("[bold]fixes, by estimated saving[/]")
     for rank, fix in enumerate(d.fixes, 1):
         saving = f"~{fix.saving_us:.0f} us/step" if fix.saving_us else "—"

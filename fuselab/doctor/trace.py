@@ -48,6 +48,8 @@ class GpuEvent:
     correlation: int | None
     external_id: int | None
     graph_node: int | None = None  # set when the event was replayed from a CUDA graph (not every version records it)
+    grid: tuple[int, ...] | None = None  # a kernel's launch grid and block, as recorded
+    block: tuple[int, ...] | None = None
 
     @property
     def end(self) -> float:
@@ -90,6 +92,7 @@ class CpuOp:
     input_dims: list
     input_types: list
     parent: int | None = None  # index into Trace.cpu_ops of the enclosing op on the same thread
+    sequence: int | None = None  # autograd's "Sequence number": a backward op shares its forward op's
 
     @property
     def end(self) -> float:
@@ -132,6 +135,7 @@ class Trace:
     profiler_overhead: list[Span] = field(default_factory=list)
     flows: dict[int, tuple[float, float]] = field(default_factory=dict)  # correlation -> (call ts, GPU ts)
     op_by_external_id: dict[int, int] = field(default_factory=dict)
+    device_properties: list[dict] = field(default_factory=list)  # the file's "deviceProperties" (numSms, ...)
     _frame_starts: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict, repr=False)
     _op_starts: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict, repr=False)
 
@@ -217,6 +221,12 @@ def _as_int(value) -> int | None:
         return None
 
 
+def _dims(value) -> tuple[int, ...] | None:
+    if not isinstance(value, list) or not all(isinstance(v, int) for v in value):
+        return None
+    return tuple(value)
+
+
 def load_trace(path: str | os.PathLike) -> Trace:
     """Parse a Kineto trace file (.json or .json.gz) into a `Trace`.
 
@@ -237,7 +247,10 @@ def load_trace(path: str | os.PathLike) -> Trace:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{p}: not a Chrome/Kineto trace: expected an object with a 'traceEvents' list")
-    return parse_events(events, str(p))
+    trace = parse_events(events, str(p))
+    if isinstance(data, dict) and isinstance(data.get("deviceProperties"), list):
+        trace.device_properties = [d for d in data["deviceProperties"] if isinstance(d, dict)]
+    return trace
 
 
 def parse_events(events: list, source: str = "<events>") -> Trace:
@@ -272,6 +285,7 @@ def parse_events(events: list, source: str = "<events>") -> Trace:
                 name, GPU_CATEGORIES[cat], ts, dur, _as_int(args.get("device", e.get("pid"))) or 0,
                 _as_int(args.get("stream", e.get("tid"))) or 0, _as_int(args.get("correlation")),
                 _as_int(args.get("External id")), _as_int(args.get("graph node id")),
+                _dims(args.get("grid")), _dims(args.get("block")),
             ))
         elif cat in RUNTIME_CATEGORIES:
             trace.runtime.append(RuntimeCall(name, ts, dur, tid, _as_int(args.get("correlation")), _as_int(args.get("External id"))))
@@ -279,6 +293,7 @@ def parse_events(events: list, source: str = "<events>") -> Trace:
             trace.cpu_ops.append(CpuOp(
                 name, ts, dur, tid, _as_int(args.get("External id")),
                 args.get("Input Dims") or [], args.get("Input type") or [],
+                sequence=_as_int(args.get("Sequence number")),
             ))
         elif cat == "python_function":
             trace.py_frames.append(PyFrame(name, ts, dur, tid))

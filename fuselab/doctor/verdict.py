@@ -7,12 +7,14 @@ summary.summarize (the step's figures) -> rules.judge (one rule per finding) -> 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from fuselab.device import Ceilings
 from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.fixes import Fix, ranked_fixes
 from fuselab.doctor.rules import IDLE_SHARE, judge
 from fuselab.doctor.summary import StepSummary, summarize
+from fuselab.doctor.views import Views, views as detail_views
 
 
 @dataclass
@@ -31,6 +33,12 @@ class Diagnosis:
     unprofiled_us_per_step: float | None = None  # the step timed without the profiler, when it was
     batch_test: dict | None = None
     analysis: Analysis | None = field(default=None, repr=False)
+
+    @cached_property
+    def views(self) -> Views | None:
+        """The top-kernels, region and stream tables; None without the analysis."""
+        a = self.analysis
+        return None if a is None else detail_views(a, self.unprofiled_us_per_step or self.wall_us_per_step)
 
     def to_dict(self) -> dict:
         a = self.analysis
@@ -56,6 +64,7 @@ class Diagnosis:
             out["per_step"] = [s.to_dict() for s in a.steps]
             out["syncs"] = [s.to_dict() for step in a.syncs for s in step]
             out["fusion_candidates"] = [c.to_dict() for c in a.fusion]
+            out.update(self.views.to_dict())
         return out
 
 
