@@ -8,6 +8,7 @@ import sys
 
 from fuselab.doctor.cli import add_doctor_parser, run_doctor
 from fuselab.engine.cli import add_generate_parser, run_generate
+from fuselab.serve.cli import add_serve_parser, run_serve
 
 # `fuselab bench SUBJECT`: each subject is a module of fuselab.bench with add_arguments(parser) and run(args) -> int.
 BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe(sub)
     add_doctor_parser(sub)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     _add_bench(sub)
     return parser
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(args)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "bench":
         return importlib.import_module(BENCH_SUBJECTS[args.subject][0]).run(args)
     raise AssertionError(f"unhandled command {args.command}")
