@@ -39,6 +39,11 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
         "eager, fused and graphs modes: tok/s, TTFT, inter-token latency, kernels per step, % of the bandwidth "
         "roofline, and the doctor's breakdown of each mode's decode step",
     ),
+    "serve": (
+        "fuselab.bench.serve",
+        "the HTTP server under Poisson load at a sweep of request rates (vLLM's serving benchmark): request and "
+        "token throughput, TTFT, inter-token latency and time per output token p50/p99 per rate",
+    ),
 }
 
 
