@@ -13,6 +13,7 @@ from fuselab.engine.async_llm import AsyncLLM, EngineBusy, EngineDead, TextStrea
 from fuselab.engine.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+ALPHABET = "ab€é\n"  # one-, two- and three-byte characters
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +69,8 @@ def test_stop_strings_across_tokens_cut_the_text_before_them():
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="ab€é\n", max_size=30), stop=st.lists(st.text(alphabet="ab€é\n", min_size=1, max_size=3),
-                                                                   max_size=2))
+@given(text=st.text(alphabet=ALPHABET, max_size=30),
+       stop=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=3), max_size=2))
 def test_streamed_text_is_the_decoded_text_up_to_the_first_stop(text, stop):
     full = text.encode().decode()
     out, hit = _stream_text(list(text.encode()), tuple(stop))

@@ -30,7 +30,8 @@ RICH_TEMPLATE = """{{ bos_token }}
     {% if message['role'] == 'assistant' %}
 <|assistant|> {% generation %}{{ message['content'] }}{% endgeneration %} {{ eos_token }}
     {% else %}
-<|user|> {{ message['content'] }}{% if message['meta'] is defined %} {{ message['meta'] | tojson }}{% endif %} {{ eos_token }}
+<|user|> {{ message['content'] }}
+{%- if message['meta'] is defined %} {{ message['meta'] | tojson }}{% endif %} {{ eos_token }}
     {% endif %}
     {% if loop.index >= 6 %}{% break %}{% endif %}
 {% endfor %}
@@ -71,8 +72,8 @@ def test_raise_exception_refuses_as_transformers_does(tmp_path):
 
 def test_template_sources_in_transformers_order(tmp_path):
     assert ChatTemplate.from_dir(None) is None and ChatTemplate.from_dir(tmp_path) is None
-    config = {"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>",
-              "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}D"}]}
+    templates = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "{{ bos_token }}D"}]
+    config = {"bos_token": {"content": "<s>", "__type": "AddedToken"}, "eos_token": "</s>", "chat_template": templates}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     template = ChatTemplate.from_dir(tmp_path)
     assert template.render([]) == "<s>D" and template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}

@@ -99,7 +99,7 @@ def arrivals(rate: float, count: int, seed: int) -> list[float]:
 
 
 def _max_model_len(args: argparse.Namespace) -> int:
-    longest = max(1, round(args.prompt_len * (1 + args.len_spread))) + max(1, round(args.output_len * (1 + args.len_spread)))
+    longest = sum(max(1, round(n * (1 + args.len_spread))) for n in (args.prompt_len, args.output_len))
     return longest + 1
 
 
@@ -294,11 +294,12 @@ def write_markdown(result: dict, path: Path) -> None:
     h, d = result["header"], result["header"]["device"]
     lines = ["# fuselab bench serve", "",
              f"- date: {h['date']}",
-             f"- device: {d['name']} (torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}, Python {d['python']})",
+             f"- device: {d['name']} (torch {d['torch']}, triton {d['triton']}, CUDA {d['cuda']}, "
+             f"Python {d['python']})",
              f"- command: `{h['command']}`",
              f"- workload: {_describe(result)}; Poisson arrivals at each rate (inf: all at once)",
-             "- ITL: between streamed chunks; TPOT: (latency − TTFT) / (tokens − 1) per request; throughput over the "
-             "whole run of a rate", "",
+             "- ITL: between streamed chunks; TPOT: (latency − TTFT) / (tokens − 1) per request; throughput over "
+             "the whole run of a rate", "",
              *markdown_table(COLUMNS, _table_rows(result))]
     lines += [f"- rate {r['request_rate']}: {r['failed']} failed: {'; '.join(r['errors'])}"
               for r in result["rows"] if r["failed"]]

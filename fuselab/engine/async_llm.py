@@ -217,7 +217,8 @@ class AsyncLLM:
         request = _Request(seq, None if tokenizer is None else TextStream(tokenizer, stop), loop)
         with self._cond:
             if self._closing or not self.alive:
-                raise EngineDead("the engine is not running" + (f": it failed with {self.error!r}" if self.error else ""))
+                failure = f": it failed with {self.error!r}" if self.error else ""
+                raise EngineDead(f"the engine is not running{failure}")
             if self._num_unfinished >= self.max_unfinished:
                 raise EngineBusy(f"{self._num_unfinished} requests are unfinished, as many as this server accepts "
                                  "(max_num_seqs + max_waiting): try again later")
@@ -246,9 +247,9 @@ class AsyncLLM:
                     if self._closing:
                         break
                 self._apply(commands)
-                if scheduler.has_unfinished():
-                    self._deliver(self._outputs(self.llm.step()))
-                self._stats = self._read_stats()
+                outputs = self._outputs(self.llm.step()) if scheduler.has_unfinished() else []
+                self._stats = self._read_stats()  # before the outputs: a reader of them sees counts as new
+                self._deliver(outputs)
         except BaseException as err:
             self.error = err  # every unfinished request hears of it
             raise
@@ -297,12 +298,14 @@ class AsyncLLM:
         """Hand each step's outputs to their event loops: one wake-up per loop, not per token."""
         by_loop = defaultdict(list)
         for request, item in items:
-            by_loop[request.loop].append((request.queue, item))
+            by_loop[request.loop].append((request, item))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the caller's event loop is closed: nobody is left to read
-                pass
+                for request in {id(r): r for r, _ in batch if r.seq.seq_id in self._requests}.values():
+                    self.llm.scheduler.abort([request.seq])
+                    self._finished(request)
 
     def _end_all(self) -> None:
         """On close or error: drop what is left; readers get an "abort" delta (or the error)."""
@@ -314,10 +317,10 @@ class AsyncLLM:
                 self._requests[request.seq.seq_id] = request
         remaining = list(self._requests.values())
         self.llm.scheduler.abort([r.seq for r in remaining])
-        self._deliver([(r, self.error or RequestDelta("", (), "abort")) for r in remaining])
         for request in remaining:
             self._finished(request)
         self._stats = self._read_stats()
+        self._deliver([(r, self.error or RequestDelta("", (), "abort")) for r in remaining])
 
     def _read_stats(self) -> EngineStats:
         scheduler = self.llm.scheduler
@@ -325,6 +328,6 @@ class AsyncLLM:
                            scheduler.block_manager.num_free_blocks, scheduler.num_preemptions)
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, RequestDelta | BaseException]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)
+def _put_all(batch: list[tuple[_Request, RequestDelta | BaseException]]) -> None:
+    for request, item in batch:
+        request.queue.put_nowait(item)
