@@ -18,6 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Sequence as SequenceType
 
+import torch
+
 from fuselab.engine.llm import LLM
 from fuselab.engine.sampling_params import SamplingParams
 from fuselab.engine.sequence import Sequence, SequenceStatus
@@ -238,6 +240,8 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         scheduler = self.llm.scheduler
+        if self.llm.device.type == "cuda":
+            torch.cuda.set_device(self.llm.device)  # the current device is per thread; events record on it
         try:
             while True:
                 with self._cond:

@@ -23,8 +23,8 @@ from fuselab.engine.async_llm import DEFAULT_MAX_WAITING, AsyncLLM, EngineBusy, 
 from fuselab.engine.llm import LLM
 from fuselab.serve.chat_template import ChatTemplate, ChatTemplateError
 from fuselab.serve.metrics import CONTENT_TYPE, ServerMetrics
-from fuselab.serve.protocol import APIError, GenerationRequest, Response, bad_request, parse_chat, parse_completion, \
-    usage
+from fuselab.serve.protocol import APIError, GenerationRequest, OpenAIResponse, bad_request, parse_chat, \
+    parse_completion, usage
 
 
 def build_app(llm: LLM, model_name: str, *, api_key: str | None = None, max_waiting: int = DEFAULT_MAX_WAITING,
@@ -136,9 +136,10 @@ class _Handler:
             raise APIError(503, f"the server is at capacity: {err}", type="server_error", code="queue_full") from None
         except EngineDead as err:
             raise APIError(503, str(err), type="server_error", code="engine_stopped") from None
-        response = Response(self.model_name, chat)
+        response = OpenAIResponse(self.model_name, chat)
         if req.stream:
-            return StreamingResponse(self._events(stream, response, req.include_usage), media_type="text/event-stream")
+            return StreamingResponse(self._events(stream, response, req.include_usage),
+                                     media_type="text/event-stream")
         return await self._collect(request, stream, response)
 
     def _prompt_ids(self, req: GenerationRequest) -> str | list[int]:
@@ -173,7 +174,8 @@ class _Handler:
                               "max_tokens", code="context_length_exceeded")
         return max_tokens
 
-    async def _events(self, stream: RequestStream, response: Response, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, response: OpenAIResponse,
+                      include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: a chunk per delta, the usage if asked, then [DONE]. A client that
         leaves cancels this generator, whose exit aborts the request."""
         num_tokens = 0
@@ -193,7 +195,7 @@ class _Handler:
             stream.abort()
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, request: Request, stream: RequestStream, response: Response) -> HTTPResponse:
+    async def _collect(self, request: Request, stream: RequestStream, response: OpenAIResponse) -> HTTPResponse:
         """The whole output as one body; the request is aborted if the client leaves first."""
         async def read() -> tuple[str, int, str | None]:
             parts, num_tokens, reason = [], 0, None

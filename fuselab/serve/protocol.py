@@ -161,7 +161,7 @@ def _message(i: int, message: object) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-class Response:
+class OpenAIResponse:
     """The bodies and chunks of one response, sharing its id and creation time."""
 
     def __init__(self, model: str, chat: bool) -> None:
