@@ -69,6 +69,7 @@ def test_without_a_gpu_only_the_tiny_preset_runs(capsys, tmp_path):
 
 
 def test_smoke_run_on_the_tiny_preset_writes_its_results(tmp_path, capsys):
+    pytest.importorskip("uvicorn")  # the serve extra
     argv = ["bench", "serve", "--model", "tiny", "--request-rates", "50,inf", "--num-requests", "6",
             "--prompt-len", "12", "--output-len", "5", "--max-num-seqs", "4", "--mode", "eager", "--out", str(tmp_path)]
     assert main(argv) == 0
