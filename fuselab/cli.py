@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fuselab.doctor.cli import add_doctor_parser, run_doctor
 from fuselab.engine.cli import add_generate_parser, run_generate
+from fuselab.serve.cli import add_serve_parser, run_serve
 
 # `fuselab bench SUBJECT`: each subject is a module of fuselab.bench with add_arguments(parser) and run(args) -> int.
 BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
@@ -38,6 +39,11 @@ BENCH_SUBJECTS: dict[str, tuple[str, str]] = {
         "LLM decode on a Llama shape: transformers eager and static cache + torch.compile vs the fuselab engine in "
         "eager, fused and graphs modes: tok/s, TTFT, inter-token latency, kernels per step, % of the bandwidth "
         "roofline, and the doctor's breakdown of each mode's decode step",
+    ),
+    "serve": (
+        "fuselab.bench.serve",
+        "the HTTP server under Poisson load at a sweep of request rates (vLLM's serving benchmark): request and "
+        "token throughput, TTFT, inter-token latency and time per output token p50/p99 per rate",
     ),
 }
 
@@ -108,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe(sub)
     add_doctor_parser(sub)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     _add_bench(sub)
     return parser
 
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(args)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "bench":
         return importlib.import_module(BENCH_SUBJECTS[args.subject][0]).run(args)
     raise AssertionError(f"unhandled command {args.command}")

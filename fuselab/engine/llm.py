@@ -121,7 +121,7 @@ class LLM:
             self.scheduler.add(seq)
         try:
             while self.scheduler.has_unfinished():
-                for seq, token in self._step():
+                for seq, token in self.step():
                     delta = None
                     if with_text:
                         # Decoding the whole output each time keeps multi-byte characters whole.
@@ -134,10 +134,12 @@ class LLM:
             # before any later step's, in stream order.
             self._in_flight = None
 
-    def _step(self) -> list[tuple[Sequence, int]]:
+    def step(self) -> list[tuple[Sequence, int]]:
         """Launch the next step, then read the tokens of the one before it: the GPU runs step t
         while the host schedules step t+1, so it never waits for the host. Returns the tokens
-        read, less those of sequences that stopped a step earlier."""
+        read, less those of sequences that stopped a step earlier. `generate` runs it until its
+        requests are done; a request loop of its own (fuselab.engine.async_llm) adds sequences
+        from `make_sequence` to the scheduler and calls it while any is unfinished."""
         batch, is_prefill = self.scheduler.schedule()
         launched = self.runner.launch(batch, is_prefill) if batch else None
         done, self._in_flight = self._in_flight, launched
@@ -163,40 +165,51 @@ class LLM:
             else list(sampling_params)
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
-        vocab = self.config.vocab_size
         for i, params in enumerate(params_list):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
-            # SamplingParams is built without a model: only here is the vocabulary known.
-            bad = next((j for j, t in enumerate(params.stop_token_ids) if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"sampling_params[{i}].stop_token_ids[{bad}]={params.stop_token_ids[bad]} is outside "
-                                 f"the vocabulary [0, {vocab})")
-        token_lists = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]
-        seqs = []
-        for ids, params in zip(token_lists, params_list):
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
-            seqs.append(Sequence(self._next_seq_id, ids, params, seed))
-            self._next_seq_id += 1
-        return seqs
+            self._check_stop_token_ids(params, f"sampling_params[{i}]")
+        token_lists = [self._prompt_token_ids(f"prompts[{i}]", p) for i, p in enumerate(prompts)]
+        return [self._new_sequence(ids, params) for ids, params in zip(token_lists, params_list)]
 
-    def _prompt_token_ids(self, i: int, prompt: object) -> list[int]:
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams, name: str = "prompt") -> Sequence:
+        """One request checked as `generate` checks its prompts, the errors naming it `name`, as a
+        Sequence for the scheduler. Not thread-safe: call it from one thread at a time."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self._check_stop_token_ids(params, "sampling params")
+        return self._new_sequence(self._prompt_token_ids(name, prompt), params)
+
+    def _check_stop_token_ids(self, params: SamplingParams, name: str) -> None:
+        # SamplingParams is built without a model: only here is the vocabulary known.
+        vocab = self.config.vocab_size
+        bad = next((j for j, t in enumerate(params.stop_token_ids) if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name}.stop_token_ids[{bad}]={params.stop_token_ids[bad]} is outside "
+                             f"the vocabulary [0, {vocab})")
+
+    def _new_sequence(self, ids: list[int], params: SamplingParams) -> Sequence:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._next_seq_id += 1
+        return Sequence(self._next_seq_id - 1, ids, params, seed)
+
+    def _prompt_token_ids(self, name: str, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompts[{i}] is a string but the model has no tokenizer.json: pass token ids")
+                raise ValueError(f"{name} is a string but the model has no tokenizer.json: pass token ids")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
         else:
-            raise TypeError(f"prompts[{i}] must be a string or a list of int token ids, got {type(prompt).__name__}")
+            raise TypeError(f"{name} must be a string or a list of int token ids, got {type(prompt).__name__}")
         if not ids:
-            raise ValueError(f"prompts[{i}] is empty")
+            raise ValueError(f"{name} is empty")
         vocab = self.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompts[{i}] holds token id {bad}, outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name} holds token id {bad}, outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompts[{i}] has {len(ids)} tokens: max_model_len={self.max_model_len} leaves no room "
+            raise ValueError(f"{name} has {len(ids)} tokens: max_model_len={self.max_model_len} leaves no room "
                              "for output")
         return ids
 

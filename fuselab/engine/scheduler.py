@@ -110,12 +110,13 @@ class Scheduler:
             self.waiting = deque(s for s in self.waiting if s.status is SequenceStatus.WAITING)
         return finished
 
-    def abort(self, seqs: list[Sequence]) -> None:
-        """Drop unfinished sequences (a caller stopped reading a stream) and give back their blocks."""
+    def abort(self, seqs: list[Sequence], reason: str = "abort") -> None:
+        """Drop unfinished sequences (a caller stopped reading a stream) and give back their blocks.
+        reason is their finish reason: "stop" where the host found a stop string in the text."""
         dropped = {id(s) for s in seqs if s.status is not SequenceStatus.FINISHED}
         for seq in seqs:
             if id(seq) in dropped:
                 self.block_manager.free(seq)
-                seq.finish("abort")
+                seq.finish(reason)
         self.waiting = deque(s for s in self.waiting if id(s) not in dropped)
         self.running = deque(s for s in self.running if id(s) not in dropped)

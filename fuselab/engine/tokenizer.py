@@ -15,7 +15,7 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -29,9 +29,10 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise CheckpointError(f"{path}: not a readable tokenizer ({e})") from None
 
-    def encode(self, text: str) -> list[int]:
-        # With the special tokens the checkpoint's post-processor adds (Llama's BOS), as transformers does.
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # With the special tokens the checkpoint's post-processor adds (Llama's BOS), as transformers does;
+        # without them for text that holds them already (a rendered chat template).
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -40,8 +41,8 @@ class HFTokenizer:
 class ByteTokenizer:
     """Token id = byte value; ids past 255 (a random model may produce them) decode to nothing."""
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # bytes have no special tokens to add
 
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
