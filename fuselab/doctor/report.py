@@ -12,9 +12,10 @@ from rich.table import Table
 from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.verdict import Diagnosis
 
-VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green"}
-PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "launch_gaps": "launch gaps (GPU waited for the host)",
-              "sync_stalls": "sync stalls", "other_idle": "other idle"}
+VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green",
+                 "copy-bound": "bold magenta"}
+PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "copies": "copies (host <-> device)",
+              "launch_gaps": "launch gaps (GPU waited for the host)", "sync_stalls": "sync stalls", "other_idle": "other idle"}
 
 
 def _bar(share: float, width: int = 30) -> str:

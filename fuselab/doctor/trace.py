@@ -48,6 +48,7 @@ class GpuEvent:
     correlation: int | None
     external_id: int | None
     graph_node: int | None = None  # set when the event was replayed from a CUDA graph (not every version records it)
+    bytes: int | None = None  # of a memcpy or memset, as the trace records it
 
     @property
     def end(self) -> float:
@@ -271,7 +272,7 @@ def parse_events(events: list, source: str = "<events>") -> Trace:
             trace.gpu.append(GpuEvent(
                 name, GPU_CATEGORIES[cat], ts, dur, _as_int(args.get("device", e.get("pid"))) or 0,
                 _as_int(args.get("stream", e.get("tid"))) or 0, _as_int(args.get("correlation")),
-                _as_int(args.get("External id")), _as_int(args.get("graph node id")),
+                _as_int(args.get("External id")), _as_int(args.get("graph node id")), _as_int(args.get("bytes")),
             ))
         elif cat in RUNTIME_CATEGORIES:
             trace.runtime.append(RuntimeCall(name, ts, dur, tid, _as_int(args.get("correlation")), _as_int(args.get("External id"))))
