@@ -59,6 +59,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.steps < 1 or warmup < 0:
         console.print(f"[red]error:[/] --steps must be >= 1 and --warmup >= 0 (got {args.steps}, {warmup})")
         return 2
+    unprofiled_us = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.trace:
             trace_path, skip = Path(args.trace), warmup
@@ -68,19 +69,23 @@ def run_doctor(args: argparse.Namespace) -> int:
                               "Record the trace on a GPU machine (`fuselab doctor --save-trace trace.json.gz SCRIPT`) "
                               "and read it anywhere with `fuselab doctor --trace trace.json.gz`.")
                 return 2
-            from fuselab.doctor.profile import profile_script
+            from fuselab.doctor.profile import record_script
 
             trace_path = Path(args.save_trace or Path(tmp) / "trace.json")
             console.print(f"running {args.script} under the profiler ({warmup} warm-up + {args.steps} steps)")
             try:
-                _, recorded = profile_script(args.script, args.script_args, trace_path, steps=args.steps, warmup=warmup)
+                run = record_script(args.script, args.script_args, trace_path, steps=args.steps, warmup=warmup)
             except ValueError as err:
                 console.print(f"[red]error:[/] {err}")
                 return 2
             except SystemExit as stop:
                 console.print(f"[red]error:[/] {args.script} exited with status {stop.code}")
                 return 1
-            skip = warmup if recorded > warmup else 0  # a script that marked no steps is one step
+            skip = warmup if run.recorded > warmup else 0  # a script that marked no steps is one step
+            unprofiled_us = run.unprofiled_us
+            console.print(f"timed {len(run.unprofiled_step_us)} more steps without the profiler" if unprofiled_us else
+                          "no steps ran after the profiled ones, so none was timed without the profiler "
+                          "(a script that runs more steps than --warmup + --steps gets its unprofiled step time)")
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("analyzing", total=None)
             try:
@@ -90,7 +95,7 @@ def run_doctor(args: argparse.Namespace) -> int:
                 bar.stop()
                 console.print(f"[red]error:[/] {err}")
                 return 2
-    diagnosis = verdict_for(analysis)
+    diagnosis = verdict_for(analysis, unprofiled_us=unprofiled_us)
     render(diagnosis, console)
     if args.json:
         write_json(diagnosis, args.json)

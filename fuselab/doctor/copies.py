@@ -17,6 +17,8 @@ PAGEABLE = "Pageable"
 # What pinned host copies reach over PCIe 5.0 x16 (about 64 GB/s raw); the probe's streams section
 # measures this machine's (h2d_pinned_gbs). Used only to estimate what pinning would save.
 PINNED_COPY_GBS = 50.0
+# Below this a copy's time is its latency, whatever memory it uses: what costs is the sync around it.
+PAGEABLE_MIN_BYTES = 1 << 20
 _ROUTE = re.compile(r"^Memcpy (?P<direction>\w+) \((?P<src>\w+) -> (?P<dst>\w+)\)")
 
 
@@ -92,7 +94,9 @@ def copy_groups(events: list[GpuEvent], members: list[list[int]], call_of: dict[
 
 
 def pinned_saving_us(group: CopyGroup) -> float:
-    """GPU time per step a pageable route would save at the pinned rate."""
+    """GPU time per step a pageable route would save at the pinned rate; 0 for copies too small to gain."""
+    if not group.route.pageable or group.bytes < PAGEABLE_MIN_BYTES * group.count:
+        return 0.0
     return max(0.0, group.us - group.bytes / (PINNED_COPY_GBS * 1e3))
 
 

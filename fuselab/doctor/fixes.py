@@ -6,9 +6,11 @@ work (the GPU waiting for a graph replay to be launched calls for less host work
 instead), a chain the idle between its kernels and all but one kernel's worth of their memory time
 (each kernel belongs to one chain), a lower precision the GEMM time it saves, pinned memory the copy
 time it saves. Fixes can overlap (graph capture and a fused chain both remove the chain's launch
-gaps), so, taken in rank order, each draws only on what the fixes above it left of each part: a fix
-never claims more than it removes, and together they never claim more than the step. A chain whose
-fix is graph capture is the launch-gap fix itself, and is not listed again beside it.
+gaps). So the fixes are ranked by what each would save alone (`alone_us`), and each one's saving is
+what it adds to the fixes above it, drawn from what they left of each part: a fix never claims more
+than it removes, and together they never claim more than the step. A fix is listed when it would
+save enough alone, however much of that the fixes above already take. A chain whose fix is graph
+capture is the launch-gap fix itself, and is not listed again beside it.
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ class Fix:
     why: str
     rule: str = ""  # which finding it answers: "sync", "blocking-copy", "launch-gaps", "optimizer", "tf32", ...
     claims: list[Claim] | None = None  # where saving_us comes from; None: from the idle
+    alone_us: float | None = None  # what it would save on its own, before the fixes above it take their part
 
     def claimed(self) -> list[Claim]:
         return self.claims if self.claims is not None else [(("idle",), self.saving_us)]
 
     def to_dict(self) -> dict:
-        return {"action": self.action, "saving_us_per_step": self.saving_us, "why": self.why, "rule": self.rule}
+        return {"action": self.action, "saving_us_per_step": self.saving_us, "alone_us_per_step": self.alone_us,
+                "why": self.why, "rule": self.rule}
 
 
 def sync_fixes(analysis: Analysis, stall_us: float) -> list[Fix]:
@@ -128,7 +132,7 @@ def copy_fixes(analysis: Analysis) -> list[Fix]:
     return [Fix(pageable_fix_text(g), pinned_saving_us(g),
                 f"{g.count:g} copies per step {g.label}, {g.bytes / 1e6:,.1f} MB at {g.gbs:.1f} GB/s; pinned memory copies "
                 "at the link's rate and lets the host run on", "pageable-copy", [(("copies",), pinned_saving_us(g))])
-            for g in analysis.copies if g.route.pageable]
+            for g in analysis.copies if pinned_saving_us(g) > 0]
 
 
 def compute_advice(s: StepSummary) -> Fix:
@@ -142,10 +146,12 @@ def compute_advice(s: StepSummary) -> Fix:
 
 
 def _within_step(fixes: list[Fix], s: StepSummary) -> list[Fix]:
-    """Each fix, in rank order, drawing only on what the fixes above it left of each part; those left too small dropped."""
+    """The fixes worth listing, ranked by what each saves alone, each saving what the fixes above it leave."""
     left = {pool: sum(s.parts[p] for p in parts) for pool, parts in POOLS.items()}
     kept = []
-    for f in fixes:
+    for f in sorted(fixes, key=lambda f: -f.saving_us):
+        if f.saving_us < MIN_SAVING_SHARE * s.wall_us:
+            continue
         drawn = 0.0
         for pools, amount in f.claimed():
             for pool in pools:
@@ -154,10 +160,9 @@ def _within_step(fixes: list[Fix], s: StepSummary) -> list[Fix]:
                 amount -= take
                 drawn += take
         if drawn < f.saving_us - 1e-6:
-            f.why += f"; {f.saving_us - drawn:.0f} us of it overlaps the fixes above"
-        f.saving_us = drawn
-        if drawn >= MIN_SAVING_SHARE * s.wall_us:
-            kept.append(f)
+            f.why += f"; {f.saving_us - drawn:.0f} us of the {f.saving_us:.0f} it saves alone the fixes above already take"
+        f.alone_us, f.saving_us = f.saving_us, drawn
+        kept.append(f)
     return kept
 
 
@@ -168,7 +173,7 @@ def ranked_fixes(analysis: Analysis, s: StepSummary, verdict: str) -> list[Fix]:
     if any(f.rule == "launch-gaps" for f in launch):
         chains = [f for f in chains if f.rule != "graph"]
     candidates = sync_fixes(analysis, s.parts["sync_stalls"]) + launch + chains + precision_fixes(s) + copy_fixes(analysis)
-    fixes = _within_step(sorted(candidates, key=lambda f: -f.saving_us), s)
+    fixes = _within_step(candidates, s)
     if verdict == "compute-bound":
         fixes.insert(0, compute_advice(s))
     return fixes

@@ -48,7 +48,7 @@ class StepSummary:
     compute_pct: float | None  # time-weighted % of ceiling of the compute-bound kernels (each against its precision's)
     memory_pct: float | None
     compute_ceilings: dict[str, float]  # precision -> TFLOP/s ceiling, of the compute-bound matrix kernels
-    gemm_us: dict[str, float]  # precision -> matrix-multiply kernel time per step
+    gemm_us: dict[str, float]  # precision -> compute-bound matrix-multiply kernel time per step
     longest_launch_gap_us: float
     stalled_in: CpuOp | None  # the innermost host op that ran through most of the longest launch gap
 
@@ -70,17 +70,17 @@ def _roofline_pct(analysis: Analysis, bound: str) -> float | None:
 
 
 def _matrix_kernels(analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
-    """Per precision: matrix-multiply kernel time per step, and the ceiling of the compute-bound ones."""
+    """Per precision, over the compute-bound matrix-multiply kernels (the ones a faster precision speeds up):
+    their time per step, and their ceiling."""
     gemm_us: dict[str, float] = {}
     ceilings: dict[str, float] = {}
     for indices in analysis.step_events:
         for i in indices:
             c = analysis.costs[i]
-            if c.precision is None:
+            if c.precision is None or c.bound != "compute":
                 continue
             gemm_us[c.precision] = gemm_us.get(c.precision, 0.0) + c.dur_us / len(analysis.steps)
-            if c.bound == "compute" and c.tflops_ceiling is not None:
-                ceilings[c.precision] = c.tflops_ceiling
+            ceilings[c.precision] = c.tflops_ceiling
     return gemm_us, ceilings
 
 
