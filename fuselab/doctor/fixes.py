@@ -142,7 +142,8 @@ def compute_advice(s: StepSummary) -> Fix:
     advice = "nothing to gain from fusion or graphs: the step is compute-bound on large matrix multiplies" + reached
     if s.compute_pct is not None and s.compute_pct < 50:
         advice += "; they are well below it: use dimensions in multiples of 64, and larger matrices per call"
-    return Fix(advice, 0.0, f"{100 * s.breakdown['compute']['share']:.0f}% of the step is compute-bound kernel time", "compute-advice")
+    return Fix(advice, 0.0, f"{100 * s.breakdown['compute']['share']:.0f}% of the step is compute-bound kernel time",
+               "compute-advice", [], 0.0)
 
 
 def _within_step(fixes: list[Fix], s: StepSummary) -> list[Fix]:

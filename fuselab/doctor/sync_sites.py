@@ -18,7 +18,7 @@ import os
 import sys
 import sysconfig
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import torch
@@ -62,6 +62,12 @@ def site_name(frame: Frame) -> str:
     return f"{SYNC_SITE}{file}:{line} ({function})"
 
 
+def mark_site(frame: Frame) -> None:
+    """Write a sync site into the running profiler's trace as a zero-length range."""
+    with record_function(site_name(frame)):
+        pass
+
+
 def _stack(frame: FrameType | None) -> list[Frame]:
     out = []
     while frame is not None:
@@ -71,10 +77,12 @@ def _stack(frame: FrameType | None) -> list[Frame]:
 
 
 class SyncSiteRecorder:
-    """While active, mark each synchronizing op in the running profiler's trace with its user line."""
+    """While active, hand the user frame of each synchronizing op to `on_site` (by default, mark it in the
+    running profiler's trace); `libraries` are the directories whose frames are not the user's."""
 
-    def __init__(self) -> None:
-        self._libraries = library_dirs()
+    def __init__(self, libraries: Sequence[str] | None = None, on_site: Callable[[Frame], None] = mark_site) -> None:
+        self._libraries = tuple(libraries) if libraries is not None else library_dirs()
+        self._on_site = on_site
         self._warnings: warnings.catch_warnings | None = None
         self._forward = None
 
@@ -84,8 +92,7 @@ class SyncSiteRecorder:
             return
         frame = user_frame(_stack(sys._getframe(1)), self._libraries)
         if frame is not None:
-            with record_function(site_name(frame)):
-                pass
+            self._on_site(frame)
 
     def start(self) -> None:
         self._warnings = warnings.catch_warnings()
