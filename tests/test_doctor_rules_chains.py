@@ -100,3 +100,7 @@ def test_each_kernel_belongs_to_one_chain(tmp_path):
     for builder in _builders():
         d = diagnose_built(builder(), tmp_path)
         assert sum(c.kernels_us for c in d.analysis.fusion) <= sum(g.dur for g in d.analysis.trace.gpu) + 1e-6
+
+
+def test_torchs_fused_optimizer_is_not_offered_a_fused_optimizer():
+    assert fix_for(("_foreach_add_", "_fused_adamw_"), 3.0, optimizer="AdamW").rule != "optimizer"

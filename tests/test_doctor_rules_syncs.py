@@ -103,3 +103,13 @@ def test_a_site_far_from_any_sync_is_ignored(tmp_path):
     b.annotation(f"{SYNC_SITE}train.py:98 (early)", -50.0, 0.0)  # before any sync
     syncs = analyze_trace(b.write(tmp_path / "t.json"), ceilings=STATED_CEILINGS).analysis.syncs[0]
     assert [s.source for s in syncs if s.source_exact] == ["train.py:99 (late)"]  # the last sync before it
+
+
+def test_recorder_leaves_the_scripts_own_warning_filters():
+    before = list(warnings.filters)
+    recorder = SyncSiteRecorder(on_site=lambda frame: None)
+    recorder.start()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # what a script might do while it is profiled
+    recorder.stop()
+    assert warnings.filters[0][:3] == ("ignore", None, FutureWarning) and warnings.filters[1:] == before
+    warnings.filters.pop(0)

@@ -77,7 +77,8 @@ def fix_for(labels: tuple[str, ...], mean_kernel_us: float, optimizer: str | Non
     """The fix for a recurring sequence of fusable kernels, judged from the ops in it; `optimizer` names the
     optimizer whose step launched it, if one did."""
     ops = set(labels)
-    if optimizer is not None or _adam_like(ops):
+    already_fused = any(op.startswith("_fused_") for op in ops)  # torch's fused optimizers: nothing left to fuse
+    if (optimizer is not None or _adam_like(ops)) and not already_fused:
         return optimizer_fix(optimizer, ops)
     kernel = _fuselab_kernel(ops)
     if kernel is not None:

@@ -104,28 +104,31 @@ def _occurrences(ids: list[int], key: tuple) -> list[int]:
     return out
 
 
-def _run_counts(run: list[int], events: list[GpuEvent], ids: list[int]) -> tuple[Counter, Counter, Counter]:
-    """Per sequence of label ids in one run: its occurrences, their first-start-to-last-end time, their kernel time."""
-    counts: Counter = Counter()
-    span_us: Counter = Counter()
-    kernel_us: Counter = Counter()
+def _run_counts(run: list[int], events: list[GpuEvent], ids: list[int]) -> dict[tuple, list[float]]:
+    """Per sequence of label ids in one run: [occurrences, their first-start-to-last-end time, their kernel time]."""
+    out: dict[tuple, list[float]] = {}
     run_ids = [ids[i] for i in run]
     starts = [events[i].ts for i in run]
     ends = [events[i].end for i in run]
     elapsed = [0.0]  # prefix sums of kernel durations
     for i in run:
         elapsed.append(elapsed[-1] + events[i].dur)
-    next_free: dict[tuple, int] = {}  # occurrences of one sequence in a run do not overlap
     for n in range(MIN_LENGTH, min(MAX_LENGTH, len(run)) + 1):
-        for start in range(len(run) - n + 1):
-            key = tuple(run_ids[start:start + n])
+        next_free: dict[tuple, int] = {}  # occurrences of one sequence in a run do not overlap
+        # zip over shifted copies builds every n-gram of the run in one pass (in C)
+        for start, key in enumerate(zip(*(run_ids[j:] for j in range(n)))):
             if start < next_free.get(key, 0):
                 continue
             next_free[key] = start + n
-            counts[key] += 1
-            span_us[key] += ends[start + n - 1] - starts[start]
-            kernel_us[key] += elapsed[start + n] - elapsed[start]
-    return counts, span_us, kernel_us
+            span, kernels = ends[start + n - 1] - starts[start], elapsed[start + n] - elapsed[start]
+            entry = out.get(key)
+            if entry is None:
+                out[key] = [1, span, kernels]
+            else:
+                entry[0] += 1
+                entry[1] += span
+                entry[2] += kernels
+    return out
 
 
 class _Tally:
@@ -134,19 +137,27 @@ class _Tally:
     def __init__(self, runs: list[list[int]], events: list[GpuEvent], ids: list[int]) -> None:
         self.events, self.ids = events, ids
         self.runs = runs
-        self.counts, self.span_us, self.kernel_us = Counter(), Counter(), Counter()
+        self.totals: dict[tuple, list[float]] = {}  # sequence -> [occurrences, span us, kernel us]
         for run in runs:
             self._add(run, +1)
 
     def _add(self, run: list[int], sign: int) -> None:
-        for total, part in zip((self.counts, self.span_us, self.kernel_us), _run_counts(run, self.events, self.ids)):
-            for key, value in part.items():
-                total[key] += sign * value
+        totals = self.totals
+        for key, (count, span, kernels) in _run_counts(run, self.events, self.ids).items():
+            entry = totals.get(key)
+            if entry is None:
+                totals[key] = [sign * count, sign * span, sign * kernels]
+                continue
+            entry[0] += sign * count
+            entry[1] += sign * span
+            entry[2] += sign * kernels
+            if entry[0] <= 0:
+                del totals[key]  # no run holds it any more
 
     def best(self) -> tuple | None:
         """The recurring sequence that takes the most time (the longer one among equals)."""
-        keys = [k for k, c in self.counts.items() if c >= 2]
-        return max(keys, key=lambda k: (self.span_us[k], len(k)), default=None)
+        keys = [k for k, entry in self.totals.items() if entry[0] >= 2]
+        return max(keys, key=lambda k: (self.totals[k][1], len(k)), default=None)
 
     def _cut(self, run: list[int], found: list[int], n: int) -> tuple[float, float, list[list[int]]]:
         """The block and kernel time of the occurrences at `found` in run, and the pieces of run around them."""
@@ -182,7 +193,6 @@ class _Tally:
                 self._add(piece, +1)
             kept += pieces
         self.runs = kept
-        self.counts = +self.counts  # drop the sequences no run holds any more
         return count, block_us, kernels_us
 
 

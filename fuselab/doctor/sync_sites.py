@@ -83,7 +83,7 @@ class SyncSiteRecorder:
     def __init__(self, libraries: Sequence[str] | None = None, on_site: Callable[[Frame], None] = mark_site) -> None:
         self._libraries = tuple(libraries) if libraries is not None else library_dirs()
         self._on_site = on_site
-        self._warnings: warnings.catch_warnings | None = None
+        self._filter: tuple | None = None  # the "always" filter this recorder added, while active
         self._forward = None
 
     def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
@@ -95,22 +95,25 @@ class SyncSiteRecorder:
             self._on_site(frame)
 
     def start(self) -> None:
-        self._warnings = warnings.catch_warnings()
-        self._warnings.__enter__()
-        self._forward = warnings.showwarning
         # "always": the default filter shows a warning once per place, and every sync must be seen.
+        # Only this filter and the display hook are changed (and undone), not the filters the script sets.
         warnings.filterwarnings("always", message=SYNC_WARNING)
+        self._filter = warnings.filters[0]
+        self._forward = warnings.showwarning
         warnings.showwarning = self._show
         if has_cuda():
             torch.cuda.set_sync_debug_mode("warn")
 
     def stop(self) -> None:
-        if self._warnings is None:
+        if self._filter is None:
             return
         if has_cuda():
             torch.cuda.set_sync_debug_mode("default")
-        self._warnings.__exit__(None, None, None)
-        self._warnings = None
+        if warnings.showwarning == self._show:
+            warnings.showwarning = self._forward
+        if self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+        self._filter = None
 
     def __enter__(self) -> SyncSiteRecorder:
         self.start()
