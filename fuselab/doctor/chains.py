@@ -64,13 +64,14 @@ def _adam_like(ops: set[str]) -> bool:
 def optimizer_fix(optimizer: str | None, ops: set[str]) -> ChainFix:
     """A fused optimizer for an optimizer's update chain; `optimizer` is its class name when known."""
     name = optimizer or ("AdamW" if _adam_like(ops) else None)
-    looped = "a multi-tensor loop" if any(op.startswith("_foreach_") for op in ops) else "a loop over parameters (foreach=False)"
+    foreach = any(op.startswith("_foreach_") for op in ops)
+    update = "multi-tensor (foreach) update" if foreach else "update looped over its parameters (foreach=False)"
     if name == "AdamW":
-        return ChainFix("optimizer", f"a fused optimizer instead of AdamW's {looped}: fuselab.optim.FusedAdamW(params, ...) "
+        return ChainFix("optimizer", f"a fused optimizer instead of AdamW's {update}: fuselab.optim.FusedAdamW(params, ...) "
                                      "(one launch for every parameter) or torch.optim.AdamW(..., fused=True)")
     which = f"torch.optim.{name}" if name else "the optimizer"
-    return ChainFix("optimizer", f"a fused optimizer instead of {which}'s {looped}: {which}(..., fused=True)"
-                                 + ("" if looped.startswith("a multi") else " or foreach=True"))
+    return ChainFix("optimizer", f"a fused optimizer instead of {which}'s {update}: {which}(..., fused=True)"
+                                 + ("" if foreach else " or foreach=True"))
 
 
 def fix_for(labels: tuple[str, ...], mean_kernel_us: float, optimizer: str | None = None) -> ChainFix:

@@ -8,13 +8,15 @@ from pathlib import Path
 
 DESCRIPTION = (
     "Profile a GPU workload and say why it is slow: launch-bound (the GPU waits for the host to launch "
-    "kernels), sync-bound (.item(), .cpu(), printing or branching on GPU tensors drains the GPU), memory-bound "
-    "or compute-bound. Reads a trace that torch.profiler exported (--trace FILE, .json or .json.gz; works on "
+    "kernels), sync-bound (.item(), .cpu(), printing or branching on GPU tensors drains the GPU), copy-bound "
+    "(host-device copies, e.g. from pageable memory), memory-bound or compute-bound. Reads a trace that torch.profiler exported (--trace FILE, .json or .json.gz; works on "
     "any machine), or runs SCRIPT under the profiler (needs CUDA), with its steps marked by calls to "
     "fuselab.doctor.step() (a script that marks none is profiled whole, as one step). Prints the verdict, the "
     "evidence (GPU busy time, idle gaps split into launch gaps, sync stalls and other idle, syncs with their "
-    "source lines, roofline position against the `fuselab probe` ceilings, recurring kernel sequences) and "
-    "ranked fixes: CUDA-graph capture, fuselab fused kernels, removing a sync at file:line."
+    "source lines (exact in SCRIPT mode), copies, roofline position against the `fuselab probe` ceilings (float32 "
+    "GEMMs against the float32/TF32 rate), known kernel chains) and ranked fixes: removing a sync at file:line, "
+    "pinned copies, TF32/bf16, a fused optimizer, fuselab fused kernels, SDPA, CUDA-graph capture. SCRIPT mode also "
+    "times the steps after the profiled ones without the profiler and judges the step at that speed."
 )
 
 

@@ -130,7 +130,7 @@ def precision_fixes(s: StepSummary) -> list[Fix]:
 def copy_fixes(analysis: Analysis) -> list[Fix]:
     """Pinned memory for each route that copies from or to pageable host memory."""
     return [Fix(pageable_fix_text(g), pinned_saving_us(g),
-                f"{g.count:g} copies per step {g.label}, {g.bytes / 1e6:,.1f} MB at {g.gbs:.1f} GB/s; pinned memory copies "
+                f"{g.count:g} per step {g.label}, {g.bytes / 1e6:,.1f} MB at {g.gbs:.1f} GB/s; pinned memory copies "
                 "at the link's rate and lets the host run on", "pageable-copy", [(("copies",), pinned_saving_us(g))])
             for g in analysis.copies if pinned_saving_us(g) > 0]
 

@@ -56,7 +56,8 @@ def _syncs_table(a: Analysis) -> Table | None:
     for col in ("cause", "source", "line", "count"):
         syncs.add_column(col, justify="right" if col == "count" else "left")
     for (cause, source, exact), n in sites.most_common():
-        syncs.add_row(cause, source, "exact" if exact else "profiler's (function start)", str(n))
+        line = "exact" if exact else ("profiler's (function start)" if source != "(no stack recorded)" else "—")
+        syncs.add_row(cause, source, line, str(n))
     return syncs
 
 

@@ -85,6 +85,7 @@ class SyncSiteRecorder:
         self._on_site = on_site
         self._filter: tuple | None = None  # the "always" filter this recorder added, while active
         self._forward = None
+        self._debug_mode = 0  # torch's sync debug mode before this recorder set it
 
     def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
         if SYNC_WARNING not in str(message):
@@ -102,13 +103,14 @@ class SyncSiteRecorder:
         self._forward = warnings.showwarning
         warnings.showwarning = self._show
         if has_cuda():
+            self._debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
 
     def stop(self) -> None:
         if self._filter is None:
             return
         if has_cuda():
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(self._debug_mode)
         if warnings.showwarning == self._show:
             warnings.showwarning = self._forward
         if self._filter in warnings.filters:
