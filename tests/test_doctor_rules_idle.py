@@ -22,6 +22,7 @@ def test_host_running_ahead_leaves_no_launch_gaps(tmp_path):
         assert step.gpu_busy_us == pytest.approx(5400.0)
         assert step.start > step.host_start + 2000  # the window starts where the GPU was free, long after the host
     assert d.gpu_busy_pct == pytest.approx(100 * 5400 / 5402)
+    assert any("the host runs ahead and the work waits in the GPU's queue" in e for e in d.evidence)
 
 
 def test_first_step_waits_only_until_its_launch_returned(tmp_path):

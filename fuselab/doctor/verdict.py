@@ -17,6 +17,9 @@ from fuselab.doctor.rules import IDLE_SHARE, judge
 from fuselab.doctor.summary import StepSummary, summarize
 
 
+HOST_AHEAD_DELAY = 3  # kernels' worth of launch delay that says the work waited in a queue, not for a launch
+
+
 @dataclass
 class Diagnosis:
     verdict: str
@@ -80,7 +83,9 @@ def _summary_evidence(s: StepSummary, c: Ceilings) -> list[str]:
         f"sync stalls {100 * b['sync_stalls']['share']:.0f}%, other {100 * b['other_idle']['share']:.0f}%"
         + (" (the unprofiled idle, split as the profiler saw it)" if unprofiled else "")
     )
-    launch_delay = (f"launch delay median {s.launch_delay_median_us:.1f} us (call to kernel start)"
+    queued = s.launch_delay_median_us > HOST_AHEAD_DELAY * max(s.median_kernel_us, 1.0)
+    launch_delay = (f"launch delay median {s.launch_delay_median_us:.1f} us (call to kernel start"
+                    + ("; the host runs ahead and the work waits in the GPU's queue" if queued else "") + ")"
                     if s.launched_alone else "")
     if s.graph_kernels:
         plural = "" if s.graph_launches == 1 else "es"
