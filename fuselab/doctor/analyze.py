@@ -30,7 +30,7 @@ from fuselab.doctor.idle import Gap, Timeline, busy_by_kind, split_off_overhead,
 from fuselab.doctor.precision import FP32_PRECISION_MARK, tf32_allowed
 from fuselab.doctor.roofline import KernelCost, kernel_costs
 from fuselab.doctor.syncs import SYNC_APIS, STEP_BOUNDARY, Sync, find_syncs
-from fuselab.doctor.trace import CpuOp, GpuEvent, RuntimeCall, Span, Trace, load_trace
+from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
 
 
 @dataclass
