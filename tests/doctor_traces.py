@@ -193,3 +193,124 @@ def graph_replay(steps: int = 3, launch_name: str = "cudaGraphLaunch") -> TraceB
             b.gpu(GRAPH_LAYER[k % len(GRAPH_LAYER)], s + 130 + 15 * k, 10.0, corr, None, **{"graph node id": 100 + k})
         b.launch("aten::copy_", s + 500, s + 507, 2.0, [[1, 2048], [1, 2048], []], ["c10::BFloat16", "c10::BFloat16", "Scalar"])
     return b
+
+
+SIDE = 4096  # of the float32 matrices in host_ahead_fp32_matmul
+
+
+def host_ahead_fp32_matmul(steps: int = 4, kernel_name: str = "sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8",
+                           kernel_us: float = 2700.0, precision: str | None = None) -> TraceBuilder:
+    """float32 SIDE^3 matmuls, two a step, recorded as torch.profiler's `prof.step()` records them: no sync at
+    step ends, so the host (100 us a step, steps 200 us apart) runs far ahead of the GPU.
+
+    The GPU runs the matmuls back to back (kernel_us each, 1 us apart) from 50 us on. Step 0's window
+    starts at its host start: 36 us waiting for the first launch (its call returns at 16, plus the
+    20 us allowance), 14 us other idle. Every later step's window starts where the previous step's
+    last matmul ended: 1 us before its first matmul and 1 us between its two, both other idle, since
+    the launches were made long before. `precision` records the doctor's float32-precision mark.
+    """
+    b = TraceBuilder()
+    if precision is not None:
+        b.annotation(f"fuselab.doctor.float32_matmul_precision={precision}", 0.5, 0.0)
+    k = 0
+    for n in range(steps):
+        s = 200.0 * n
+        b.step(n, s, 100.0)
+        for j in range(2):
+            b.launch("aten::mm", s + 10 + 10 * j, 50.0 + (kernel_us + 1) * k, kernel_us,
+                     [[SIDE, SIDE], [SIDE, SIDE]], ["float", "float"], kernel_name=kernel_name)
+            k += 1
+    return b
+
+
+COPY_BYTES = 256 * 2**20
+
+
+def host_to_device_copy(steps: int = 3, pinned: bool = False) -> TraceBuilder:
+    """Per step (the copy + 200 us): `x.cuda()` of a 256 MiB host tensor, then a 130 us multiply of the copy.
+
+    Pageable (default): the copy runs 40,000 us (6.7 GB/s) at 10 us; its cudaMemcpyAsync call
+    (5-40,012 us) lasts the whole copy, then the op waits on the stream (cudaStreamSynchronize,
+    40,013-40,015 us): a blocking copy. Pinned: 5,500 us at 10 us (48.8 GB/s), launched with
+    non_blocking=True (a 4 us call, no wait).
+    """
+    b = TraceBuilder()
+    copy_us = 5500.0 if pinned else 40_000.0
+    route = "Memcpy HtoD (Pinned -> Device)" if pinned else "Memcpy HtoD (Pageable -> Device)"
+    for n in range(steps):
+        s = 100_000.0 * n
+        b.step(n, s, copy_us + 200.0)
+        b.op("aten::to", s + 1, copy_us + 20, [[COPY_BYTES // 4], [], [], [], []], ["float", "Scalar", "Scalar", "Scalar", "Scalar"])
+        b.op("aten::_to_copy", s + 2, copy_us + 18, [[COPY_BYTES // 4]], ["float"])
+        ext = b.op("aten::copy_", s + 3, copy_us + 16, [[COPY_BYTES // 4], [COPY_BYTES // 4]], ["float", "float"])
+        call_us = 4.0 if pinned else copy_us + 7
+        b.gpu(route, s + 10, copy_us, b.runtime("cudaMemcpyAsync", s + 5, call_us, ext), ext, cat="gpu_memcpy",
+              bytes=COPY_BYTES, **{"memory bandwidth (GB/s)": COPY_BYTES / (copy_us * 1e3)})
+        if not pinned:
+            b.runtime("cudaStreamSynchronize", s + copy_us + 13, 2.0, ext)
+        t = s + copy_us + 30
+        b.launch("aten::mul", t, t + 7, 130.0, [[COPY_BYTES // 4], []], ["float", "Scalar"])
+    return b
+
+
+ADAMW_UPDATE = ("aten::mul_", "aten::lerp_", "aten::mul_", "aten::addcmul_", "aten::sqrt", "aten::div", "aten::add_", "aten::addcdiv_")
+
+
+def adamw_loop(steps: int = 3, params: int = 6, annotated: bool = True) -> TraceBuilder:
+    """Per 1000 us step: a 100 us GEMM, then AdamW(foreach=False)'s update for `params` parameters:
+    ADAMW_UPDATE per parameter, 2 us kernels launched 10 us apart from 200 us on (launch-bound),
+    inside the "Optimizer.step#AdamW.step" range torch.optim opens (when `annotated`).
+    """
+    b = TraceBuilder()
+    for n in range(steps):
+        s = 2000.0 * n
+        b.step(n, s, 1000.0)
+        b.launch("aten::mm", s, s + 7, 100.0, [[256, 256], [256, 256]], ["c10::BFloat16"] * 2)
+        if annotated:
+            b.annotation("Optimizer.step#AdamW.step", s + 195, 10.0 * params * len(ADAMW_UPDATE) + 10)
+        for i in range(params * len(ADAMW_UPDATE)):
+            name = ADAMW_UPDATE[i % len(ADAMW_UPDATE)]
+            b.launch(name, s + 200 + 10 * i, s + 207 + 10 * i, 2.0, [[256, 256], [256, 256]], ["float", "float"])
+    return b
+
+
+def attention(steps: int = 3, layers: int = 4, fused: bool = False) -> TraceBuilder:
+    """Per step, `layers` x (a 20 us projection mm, then attention on bf16 (1, 8, 512, 64) heads).
+
+    Hand-written (default): bmm (Q K^T, 15 us) -> div (scale, 6 us) -> _softmax (8 us) -> bmm (P V, 15 us),
+    each kernel 2 us after the previous one. Fused: one 25 us _scaled_dot_product_flash_attention kernel.
+    """
+    b = TraceBuilder()
+    q = [1, 8, 512, 64]
+    scores = [8, 512, 512]
+    for n in range(steps):
+        s = 5000.0 * n
+        b.step(n, s, 2000.0)
+        t = s
+        for _ in range(layers):
+            b.launch("aten::mm", t, t + 7, 20.0, [[512, 512], [512, 512]], ["c10::BFloat16"] * 2)
+            t += 29
+            if fused:
+                b.launch("aten::_scaled_dot_product_flash_attention", t, t + 7, 25.0, [q, q, q], ["c10::BFloat16"] * 3,
+                         kernel_name="void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>(Flash_fwd_params)")
+                t += 34
+                continue
+            for name, dur, dims in (("aten::bmm", 15.0, [scores, [8, 64, 512]]), ("aten::div", 6.0, [scores, []]),
+                                    ("aten::_softmax", 8.0, [scores, [], []]), ("aten::bmm", 15.0, [scores, [8, 512, 64]])):
+                b.launch(name, t, t + 7, dur, dims, ["c10::BFloat16"] * len(dims),
+                         kernel_name="sm90_xmma_gemm_bf16bf16_bf16f32" if name == "aten::bmm" else None)
+                t += 7 + dur + 2 - 7
+    return b
+
+
+def sync_bound_with_sites(steps: int = 3, line: int = 47) -> TraceBuilder:
+    """sync_bound, recorded by the doctor: each `.item()` followed, as its op returns, by the sync site the doctor
+    records (train.py:`line`, in function loop), and at the end of each step one `torch.cuda.synchronize()`
+    (no site: its line stays the profiler's)."""
+    b = sync_bound(steps)
+    for n in range(steps):
+        s = 2000.0 * n
+        for j in range(10):
+            b.annotation(f"fuselab.doctor.sync_site train.py:{line} (loop)", s + 100 * j + 71, 0.0)
+        b.runtime("cudaDeviceSynchronize", s + 990.0, 2.0)
+    return b

@@ -181,7 +181,7 @@ def test_to_dict_has_the_promised_keys(tmp_path):
     for key in ("verdict", "steps", "kernels_per_step", "syncs_per_step", "gpu_busy_pct", "breakdown", "fixes",
                 "per_step", "syncs", "fusion_candidates", "ceilings"):
         assert key in out
-    assert set(out["breakdown"]) == {"compute", "memory", "launch_gaps", "sync_stalls", "other_idle"}
+    assert set(out["breakdown"]) == {"compute", "memory", "copies", "launch_gaps", "sync_stalls", "other_idle"}
     assert sum(p["share"] for p in out["breakdown"].values()) == pytest.approx(1.0)
     assert out["syncs"][0]["source"] == "train.py:42 (loop)"
 

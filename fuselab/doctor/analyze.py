@@ -1,20 +1,14 @@
 """Read a trace step by step: how busy the GPU was, why it idled, how fast the host launched, what synced.
 
 A step is a "ProfilerStep#N" range on the host (the whole trace when there is none). GPU work
-belongs to the step in which the host queued it. The step lasts from its host start to whichever
-ends later, the workload's host work or its last GPU work; the workload's host work ends where the
-doctor's step-boundary wait begins, since what that wait costs once the GPU is done (closing the
-ranges) is the profiler's. Idle time during which the profiler itself held the host up (its
-"overhead" events) is left out of the step too. Every other microsecond is either GPU busy time
-(split into compute- and memory-bound kernel time by the roofline) or an idle gap, split by cause:
-
-- sync stall: a host-blocking call returned during the gap (the queue had been drained and the
-  host was waiting), or the gap precedes the copy a sync is waiting for;
-- launch gap: the GPU waited for the host: the call that launched the next kernel was still
-  being made when the GPU went idle;
-- other idle: the next kernel had been queued before the gap began (stream dependencies, the
-  GPU's own scheduling between back-to-back kernels), or it belongs to a CUDA graph replay that
-  had already begun: the replay's kernels were all queued by its one graph launch.
+belongs to the step in which the host queued it. The step's window on the GPU's timeline (idle.py)
+runs from where the GPU was free for its work (its host start, or later when earlier work was still
+running: a host that runs ahead) to whichever ends later, the workload's host work or its last GPU
+work; the workload's host work ends where the doctor's step-boundary wait begins, since what that
+wait costs once the GPU is done (closing the ranges) is the profiler's. Idle time during which the
+profiler itself held the host up (its "overhead" events) is left out of the step too. Every other
+microsecond is either GPU busy time (split into compute- and memory-bound kernel time by the
+roofline, and copies) or an idle gap, split by cause: sync stall, launch gap, other idle (idle.py).
 
 Kernels replayed from a CUDA graph have no launch of their own, so launch delays are measured on
 individually launched work only, and the sequences offered for fusion are made of it alone.
@@ -29,21 +23,24 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from fuselab.device import Ceilings, ceilings as measured_ceilings
+from fuselab.doctor.chains import optimizer_of
+from fuselab.doctor.copies import CopyGroup, copy_groups
 from fuselab.doctor.fusion import FusionCandidate, fusion_candidates, kernel_label
+from fuselab.doctor.idle import Gap, Timeline, busy_by_kind, split_off_overhead, step_gaps
+from fuselab.doctor.precision import FP32_PRECISION_MARK, tf32_allowed
 from fuselab.doctor.roofline import KernelCost, kernel_costs
-from fuselab.doctor.syncs import STEP_BOUNDARY, Sync, find_syncs
-from fuselab.doctor.trace import CpuOp, GpuEvent, RuntimeCall, Span, Trace, load_trace
-
-Gap = tuple[float, float, str]  # (start, end, "launch" | "sync" | "other" | "profiler")
+from fuselab.doctor.syncs import SYNC_APIS, STEP_BOUNDARY, Sync, find_syncs
+from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
 
 
 @dataclass
 class StepStats:
     name: str
-    start: float
+    start: float  # the step's window on the GPU: from where the GPU was free for its work
     end: float
+    host_start: float
     host_us: float  # the workload's host time, up to the step-boundary wait, less profiler overhead
-    wall_us: float  # host start to the later of host end and GPU end, less profiler overhead
+    wall_us: float  # the step's window, less profiler overhead
     profiler_us: float  # GPU idle time left out because the profiler held up the host
     gpu_busy_us: float
     gpu_busy_pct: float
@@ -51,7 +48,8 @@ class StepStats:
     copies: int  # memcpy and memset on the GPU
     median_kernel_us: float
     compute_us: float  # busy time in compute-bound kernels
-    memory_us: float  # busy time in memory-bound kernels and copies
+    memory_us: float  # busy time in memory-bound kernels and memsets
+    copy_us: float  # busy time in memcpy
     launch_gap_us: float
     graph_launch_gap_us: float  # the part of launch_gap_us spent waiting for a graph replay to be launched
     sync_stall_us: float
@@ -80,6 +78,7 @@ class Analysis:
     costs: list[KernelCost]  # aligned with trace.gpu
     replayed: list[bool]  # aligned with trace.gpu: replayed from a CUDA graph
     fusion: list[FusionCandidate] = field(default_factory=list)
+    copies: list[CopyGroup] = field(default_factory=list)  # per step, by route
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -99,22 +98,6 @@ def _workload_host_end(trace: Trace, step: Span) -> float:
         if a.name == STEP_BOUNDARY and a.tid == step.tid and step.ts <= a.ts <= step.end:
             return a.ts
     return step.end
-
-
-def _split_off_overhead(g0: float, g1: float, overhead: list[Span]) -> list[tuple[float, float, bool]]:
-    """The pieces of [g0, g1], each flagged True where the profiler's own overhead covers it."""
-    pieces, cursor = [], g0
-    for o in overhead:
-        lo, hi = max(o.ts, cursor), min(o.end, g1)
-        if hi <= lo:
-            continue
-        if lo > cursor:
-            pieces.append((cursor, lo, False))
-        pieces.append((lo, hi, True))
-        cursor = hi
-    if g1 > cursor:
-        pieces.append((cursor, g1, False))
-    return pieces
 
 
 def _assign_to_steps(trace: Trace, steps: list[Span], call_of: dict[int, RuntimeCall]) -> list[list[int]]:
@@ -153,93 +136,35 @@ def _graph_replayed(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool]
     return out
 
 
-def _idle_intervals(
-    indices: list[int], events: list[GpuEvent], replayed: list[bool], start: float, end: float,
-) -> list[tuple[float, float, int | None, bool]]:
-    """The GPU's idle intervals in [start, end]: (from, to, the index of the GPU event that ends the
-    interval or None for the tail, whether that event's graph replay had already begun)."""
-    intervals = []
-    cursor = start
-    replays_begun: set[int | None] = set()  # correlation ids of the graph launches whose kernels have started
-    for i, g in zip(indices, events):
-        if g.ts > cursor:
-            intervals.append((cursor, g.ts, i, replayed[i] and g.correlation in replays_begun))
-        if replayed[i]:
-            replays_begun.add(g.correlation)
-        cursor = max(cursor, g.end)
-    if end > cursor:
-        intervals.append((cursor, end, None, False))
-    return intervals
+def _work_kinds(trace: Trace, costs: list[KernelCost]) -> list[str]:
+    """What each GPU event's time counts as in the breakdown: "compute", "memory" or "copy"."""
+    return ["copy" if g.kind == "memcpy" else c.bound for g, c in zip(trace.gpu, costs)]
 
 
-def _gap_kind(trace: Trace, g0: float, g1: float, next_index: int | None, replay_begun: bool,
-              call_of: dict[int, RuntimeCall], sync_ends: list[float], sync_copies: set[int]) -> str:
-    """Why the GPU idled over [g0, g1] before the event at next_index: "sync", "launch" or "other"."""
-    pos = bisect.bisect_left(sync_ends, g0)
-    if (pos < len(sync_ends) and sync_ends[pos] <= g1) or next_index in sync_copies:
-        return "sync"
-    if replay_begun:
-        # Inside a replay the GPU runs the graph's own schedule; the launch call (which the
-        # profiler can keep in progress for the whole replay) is not what it waits for.
-        return "other"
-    call = call_of.get(trace.gpu[next_index].correlation) if next_index is not None else None
-    # The GPU waited for the host when the launch was still in progress as it went idle; a
-    # kernel with no recorded launch (or a tail with nothing left to run) counts the same way.
-    return "launch" if call is None or call.end >= g0 else "other"
-
-
-def _step_gaps(trace: Trace, indices: list[int], events: list[GpuEvent], start: float, end: float, call_of: dict[int, RuntimeCall],
-               replayed: list[bool], syncs: list[Sync], sync_copies: set[int]) -> tuple[list[Gap], float]:
-    """The step's idle gaps by cause, the profiler's own overhead split off, and the us of launch gaps
-    spent waiting for a graph replay to be launched."""
-    sync_ends = sorted(s.end for s in syncs)
-    gaps: list[Gap] = []
-    graph_launch_gap = 0.0
-    for g0, g1, next_index, replay_begun in _idle_intervals(indices, events, replayed, start, end):
-        kind = _gap_kind(trace, g0, g1, next_index, replay_begun, call_of, sync_ends, sync_copies)
-        next_replayed = next_index is not None and replayed[next_index]
-        for p0, p1, by_profiler in _split_off_overhead(g0, g1, trace.profiler_overhead):
-            gaps.append((p0, p1, "profiler" if by_profiler else kind))
-            if kind == "launch" and next_replayed and not by_profiler:
-                graph_launch_gap += p1 - p0
-    return gaps, graph_launch_gap
-
-
-def _busy_us(events: list[GpuEvent], start: float) -> float:
-    """GPU busy time from start on, time when streams overlap counted once."""
-    busy = 0.0
-    cursor = start
-    for g in events:
-        busy += max(0.0, g.end - max(g.ts, cursor))
-        cursor = max(cursor, g.end)
-    return busy
-
-
-def _bound_split(indices: list[int], costs: list[KernelCost], busy: float) -> tuple[float, float]:
-    """Busy time in compute- and in memory-bound kernels, scaled to the busy time (streams may overlap)."""
-    by_bound = {"compute": 0.0, "memory": 0.0}
-    for i in indices:
-        by_bound[costs[i].bound] += costs[i].dur_us
-    scale = busy / sum(by_bound.values()) if sum(by_bound.values()) > 0 else 0.0
-    return by_bound["compute"] * scale, by_bound["memory"] * scale
+def _busy_split(timeline: Timeline, start: float, end: float, kinds: list[str], busy: float) -> dict[str, float]:
+    """The busy time of the window split by kind of work, scaled to the busy time (streams may overlap)."""
+    by_kind = busy_by_kind(timeline, start, end, kinds)
+    total = sum(by_kind.values())
+    scale = busy / total if total > 0 else 0.0
+    return {kind: by_kind.get(kind, 0.0) * scale for kind in ("compute", "memory", "copy")}
 
 
 def _step_stats(
-    trace: Trace, step: Span, indices: list[int], call_of: dict[int, RuntimeCall], costs: list[KernelCost],
+    trace: Trace, timeline: Timeline, step: Span, indices: list[int], call_of: dict[int, RuntimeCall], kinds: list[str],
     replayed: list[bool], syncs: list[Sync], sync_copies: set[int],
 ) -> tuple[StepStats, list[Gap]]:
     """The statistics of one step, and its idle gaps by cause."""
     events = [trace.gpu[i] for i in indices]
     host_end = _workload_host_end(trace, step)
-    host_stalled = _split_off_overhead(step.ts, host_end, trace.profiler_overhead)
+    host_stalled = split_off_overhead(step.ts, host_end, trace.profiler_overhead)
     host_us = host_end - step.ts - sum(p1 - p0 for p0, p1, by_profiler in host_stalled if by_profiler)
-    end = max([host_end] + [g.end for g in events])
-    gaps, graph_launch_gap = _step_gaps(trace, indices, events, step.ts, end, call_of, replayed, syncs, sync_copies)
+    start, end = timeline.window(step.ts, host_end, indices)
+    gaps, graph_launch_gap = step_gaps(trace, timeline, start, end, call_of, syncs, sync_copies, replayed)
     idle = {"launch": 0.0, "sync": 0.0, "other": 0.0, "profiler": 0.0}
     for g0, g1, kind in gaps:
         idle[kind] += g1 - g0
-    busy = _busy_us(events, step.ts)
-    compute_us, memory_us = _bound_split(indices, costs, busy)
+    busy = max(0.0, end - start - sum(idle.values()))
+    split = _busy_split(timeline, start, end, kinds, busy)
 
     kernel_durs = [g.dur for g in events if g.kind == "kernel"]
     launched = [not replayed[i] for i in indices]
@@ -248,12 +173,12 @@ def _step_stats(
     delays = [g.ts - call_of[g.correlation].ts for g, own in zip(events, launched) if own and g.correlation in call_of]
     launches = len({g.correlation for g in events if g.correlation in call_of})  # a graph launch counts once
     graph_launches = len({g.correlation for g, own in zip(events, launched) if not own})
-    wall = end - step.ts - idle["profiler"]
+    wall = end - start - idle["profiler"]
     stats = StepStats(
-        name=step.name, start=step.ts, end=end, host_us=host_us, wall_us=wall, profiler_us=idle["profiler"], gpu_busy_us=busy,
-        gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs), copies=len(events) - len(kernel_durs),
-        median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
-        compute_us=compute_us, memory_us=memory_us,
+        name=step.name, start=start, end=end, host_start=step.ts, host_us=host_us, wall_us=wall, profiler_us=idle["profiler"],
+        gpu_busy_us=busy, gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs),
+        copies=len(events) - len(kernel_durs), median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
+        compute_us=split["compute"], memory_us=split["memory"], copy_us=split["copy"],
         launch_gap_us=idle["launch"], graph_launch_gap_us=graph_launch_gap, sync_stall_us=idle["sync"], other_idle_us=idle["other"],
         launches=launches, launches_per_s=launches / host_us * 1e6 if host_us > 0 else 0.0,
         launch_delay_us={
@@ -266,6 +191,25 @@ def _step_stats(
         syncs=len(syncs), sync_blocked_us=sum(s.blocked_us for s in syncs),
     )
     return stats, gaps
+
+
+def _tf32_at_launch(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool | None]:
+    """Whether TF32 was allowed when each GPU event was launched, from the doctor's marks; None without marks."""
+    marks = [a for a in trace.annotations if a.name.startswith(FP32_PRECISION_MARK)]
+    if not marks:
+        return [None] * len(trace.gpu)
+    times = [m.ts for m in marks]
+    out: list[bool | None] = []
+    for g in trace.gpu:
+        call = call_of.get(g.correlation)
+        pos = bisect.bisect_right(times, call.ts if call else g.ts) - 1
+        out.append(tf32_allowed(marks[pos].name.removeprefix(FP32_PRECISION_MARK)) if pos >= 0 else None)
+    return out
+
+
+def _syncing_ops(trace: Trace) -> set[int]:
+    """External ids of the ops that made a blocking synchronize call."""
+    return {r.external_id for r in trace.runtime if r.external_id and r.name in SYNC_APIS}
 
 
 def analyze(
@@ -290,8 +234,10 @@ def analyze(
 
     report("roofline")
     op_of = _launching_ops(trace, call_of)
-    costs = kernel_costs(trace.gpu, op_of, ceilings)
+    costs = kernel_costs(trace.gpu, op_of, ceilings, _tf32_at_launch(trace, call_of))
     replayed = _graph_replayed(trace, call_of)
+    timeline = Timeline.of(trace, replayed)
+    kinds = _work_kinds(trace, costs)
 
     report("syncs")
     all_syncs = find_syncs(trace)
@@ -303,7 +249,7 @@ def analyze(
     members = _assign_to_steps(trace, steps, call_of)
     per_step_syncs = _syncs_per_step(all_syncs, steps)
     per_step = [
-        _step_stats(trace, step, idx, call_of, costs, replayed, step_syncs, sync_copies)
+        _step_stats(trace, timeline, step, idx, call_of, kinds, replayed, step_syncs, sync_copies)
         for step, idx, step_syncs in zip(steps, members, per_step_syncs)
     ]
     stats = [step_stats for step_stats, _ in per_step]
@@ -311,8 +257,9 @@ def analyze(
 
     report("fusion candidates")
     labels = [kernel_label(g, op_of[i]) for i, g in enumerate(trace.gpu)]
-    fusion = fusion_candidates(members, trace.gpu, labels, replayed)
-    return Analysis(trace, ceilings, stats, members, per_step_syncs, gaps, costs, replayed, fusion)
+    fusion = fusion_candidates(members, trace.gpu, labels, replayed, optimizer_of(trace.gpu, call_of, trace.annotations))
+    copies = copy_groups(trace.gpu, members, call_of, _syncing_ops(trace))
+    return Analysis(trace, ceilings, stats, members, per_step_syncs, gaps, costs, replayed, fusion, copies)
 
 
 def analyze_file(

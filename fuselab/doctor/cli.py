@@ -8,13 +8,15 @@ from pathlib import Path
 
 DESCRIPTION = (
     "Profile a GPU workload and say why it is slow: launch-bound (the GPU waits for the host to launch "
-    "kernels), sync-bound (.item(), .cpu(), printing or branching on GPU tensors drains the GPU), memory-bound "
-    "or compute-bound. Reads a trace that torch.profiler exported (--trace FILE, .json or .json.gz; works on "
+    "kernels), sync-bound (.item(), .cpu(), printing or branching on GPU tensors drains the GPU), copy-bound "
+    "(host-device copies, e.g. from pageable memory), memory-bound or compute-bound. Reads a trace that torch.profiler exported (--trace FILE, .json or .json.gz; works on "
     "any machine), or runs SCRIPT under the profiler (needs CUDA), with its steps marked by calls to "
     "fuselab.doctor.step() (a script that marks none is profiled whole, as one step). Prints the verdict, the "
     "evidence (GPU busy time, idle gaps split into launch gaps, sync stalls and other idle, syncs with their "
-    "source lines, roofline position against the `fuselab probe` ceilings, recurring kernel sequences) and "
-    "ranked fixes: CUDA-graph capture, fuselab fused kernels, removing a sync at file:line. Then the detail "
+    "source lines (exact in SCRIPT mode), copies, roofline position against the `fuselab probe` ceilings (float32 "
+    "GEMMs against the float32/TF32 rate), known kernel chains) and ranked fixes: removing a sync at file:line, "
+    "pinned copies, TF32/bf16, a fused optimizer, fuselab fused kernels, SDPA, CUDA-graph capture. SCRIPT mode also "
+    "times the steps after the profiled ones without the profiler and judges the step at that speed. Then the detail "
     "tables: the top kernels (calls and us per step, share of the step, achieved TFLOP/s or GB/s against the "
     "ceiling, grid size against the SM count, under-filled grids flagged), GPU time by phase (forward, backward, "
     "optimizer), by nn.Module (per layer) and by record_function range, and, with several streams, busy time "
@@ -77,6 +79,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.steps < 1 or warmup < 0:
         console.print(f"[red]error:[/] --steps must be >= 1 and --warmup >= 0 (got {args.steps}, {warmup})")
         return 2
+    unprofiled_us = None
     with tempfile.TemporaryDirectory() as tmp:
         if args.trace:
             trace_path, skip = Path(args.trace), warmup
@@ -86,19 +89,23 @@ def run_doctor(args: argparse.Namespace) -> int:
                               "Record the trace on a GPU machine (`fuselab doctor --save-trace trace.json.gz SCRIPT`) "
                               "and read it anywhere with `fuselab doctor --trace trace.json.gz`.")
                 return 2
-            from fuselab.doctor.profile import profile_script
+            from fuselab.doctor.profile import record_script
 
             trace_path = Path(args.save_trace or Path(tmp) / "trace.json")
             console.print(f"running {args.script} under the profiler ({warmup} warm-up + {args.steps} steps)")
             try:
-                _, recorded = profile_script(args.script, args.script_args, trace_path, steps=args.steps, warmup=warmup)
+                run = record_script(args.script, args.script_args, trace_path, steps=args.steps, warmup=warmup)
             except ValueError as err:
                 console.print(f"[red]error:[/] {err}")
                 return 2
             except SystemExit as stop:
                 console.print(f"[red]error:[/] {args.script} exited with status {stop.code}")
                 return 1
-            skip = warmup if recorded > warmup else 0  # a script that marked no steps is one step
+            skip = warmup if run.recorded > warmup else 0  # a script that marked no steps is one step
+            unprofiled_us = run.unprofiled_us
+            console.print(f"timed {len(run.unprofiled_step_us)} more steps without the profiler" if unprofiled_us else
+                          "no steps ran after the profiled ones, so none was timed without the profiler "
+                          "(a script that runs more steps than --warmup + --steps gets its unprofiled step time)")
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task("analyzing", total=None)
             try:
@@ -112,7 +119,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             from fuselab.doctor.perfetto import write_perfetto
 
             write_perfetto(analysis, args.perfetto)  # here, while a SCRIPT's trace still exists
-    diagnosis = verdict_for(analysis)
+    diagnosis = verdict_for(analysis, unprofiled_us=unprofiled_us)
     render(diagnosis, console)
     if args.json:
         write_json(diagnosis, args.json)

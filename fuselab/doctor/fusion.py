@@ -1,12 +1,17 @@
-"""Find the sequences of consecutive elementwise/reduction kernels that recur, and what would fuse them.
+"""Find the chains of kernels that recur, each reported once, with the fix that removes it (chains.py).
 
-Each such kernel reads its input from memory and writes its output back, and costs a launch; a
-chain of them that one kernel could do (an unfused RMSNorm runs pow -> mean -> add -> rsqrt ->
-mul -> mul) pays both n times. Sequences are n-grams of kernel labels (the launching op's name, or
-the kernel's short name) within runs of consecutive fusable kernels on one stream of one step;
-matrix multiplies, attention and copies break a run, since no elementwise kernel absorbs them.
-Kernels replayed from a CUDA graph break a run too: their launches are already gone, and a
+Each elementwise/reduction kernel reads its input from memory and writes its output back, and costs
+a launch; a chain of them that one kernel could do (an unfused RMSNorm runs pow -> mean -> add ->
+rsqrt -> mul -> mul) pays both n times. Sequences are n-grams of kernel labels (the launching op's
+name, or the kernel's short name) within runs of consecutive fusable kernels on one stream of one
+step; matrix multiplies, attention and copies break a run, since no elementwise kernel absorbs
+them. Kernels replayed from a CUDA graph break a run too: their launches are already gone, and a
 graph's node list (GEMMs and fused kernels alike, named only by kernel) says too little to fuse by.
+
+Hand-written attention (matmul -> softmax -> matmul) is found first, around the matmuls. Then the
+sequences are chosen one at a time, costliest first, each claiming the kernels of its occurrences:
+a kernel belongs to at most one reported chain, so a periodic run (an optimizer's update repeated
+for every parameter) is reported once, not once per rotation, and no two chains claim the same time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from fuselab.doctor.chains import ATTENTION_FIX, attention_matches, fix_for
 from fuselab.doctor.roofline import ATTENTION_BHLE, ATTENTION_BLHE
 from fuselab.doctor.trace import CpuOp, GpuEvent
 
@@ -25,22 +31,28 @@ _UNFUSABLE_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_
 _UNFUSABLE_KERNELS = re.compile(r"gemm|xmma|cutlass|wgmma|nvjet|flash|fmha|conv", re.IGNORECASE)
 _TEMPLATE = re.compile(r"<[^<>]*>")
 
-SMALL_KERNEL_US = 10.0  # below this a kernel's cost is mostly its launch, which a CUDA graph removes
-GRAPH_FIX = "capture the step in a CUDA graph: fuselab.graphs.graphed(step_fn) (one launch for the whole sequence)"
-ONE_KERNEL_FIX = "one fused kernel (torch.compile or a Triton kernel; no fuselab kernel covers this sequence)"
-
 
 @dataclass
 class FusionCandidate:
     labels: tuple[str, ...]
     count: int  # occurrences over the analyzed steps
-    total_us: float  # first kernel start to last kernel end, summed over occurrences
-    kernels_us: float  # kernel time alone, summed over occurrences
+    total_us: float  # first kernel start to last kernel end, summed over blocks of back-to-back occurrences
+    kernels_us: float  # kernel time alone, summed over occurrences (for attention: the kernels on the scores)
     fix: str
+    rule: str = "fusion"  # which fix: "optimizer", "kernel:rms_norm", "attention", "graph", "fusion"
+    optimizer: str | None = None  # the optimizer whose step launched it
+
+    def saving_us(self, idle_scale: float) -> float:
+        """Time the fix removes, over all occurrences: the idle between the chain's kernels (idle shrinks
+        without the profiler by idle_scale) and, for a fused chain, all but one kernel's worth of memory
+        passes; attention's fix removes the kernels on the scores outright."""
+        idle = (self.total_us - self.kernels_us) * idle_scale
+        kept = 0.0 if self.rule == "attention" else self.kernels_us / len(self.labels)
+        return idle + self.kernels_us - kept
 
     def to_dict(self) -> dict:
         return {"sequence": " -> ".join(self.labels), "count": self.count, "total_us": self.total_us,
-                "kernels_us": self.kernels_us, "fix": self.fix}
+                "kernels_us": self.kernels_us, "fix": self.fix, "rule": self.rule, "optimizer": self.optimizer}
 
 
 def kernel_label(event: GpuEvent, op: CpuOp | None) -> str:
@@ -57,25 +69,6 @@ def kernel_label(event: GpuEvent, op: CpuOp | None) -> str:
 
 def _fusable(event: GpuEvent, label: str) -> bool:
     return event.kind == "kernel" and label not in _UNFUSABLE_OPS and not _UNFUSABLE_KERNELS.search(event.name)
-
-
-def fix_for(labels: tuple[str, ...], mean_kernel_us: float) -> str:
-    """The fuselab kernel that replaces a sequence, judged from the ops in it; else graph capture for
-    small kernels (their cost is launching) or one fused kernel for large ones (their cost is memory traffic)."""
-    ops = set(labels)
-    if {"pow", "mean", "rsqrt"} <= ops or "rms_norm" in ops or "_fused_rms_norm" in ops:
-        return "fuselab.kernels.rms_norm (one kernel; a residual add before it fuses in too)"
-    if "silu" in ops and "mul" in ops:
-        return "fuselab.kernels.swiglu (silu(gate) * up in one kernel)"
-    if {"native_layer_norm", "layer_norm"} & ops or {"mean", "sub", "rsqrt"} <= ops or "var_mean" in ops:
-        return "fuselab.kernels.layer_norm"
-    if {"_log_softmax", "log_softmax"} & ops and {"nll_loss_forward", "nll_loss", "nll_loss_nd"} & ops:
-        return "fuselab.kernels.cross_entropy (no logits-sized intermediate)"
-    if {"_softmax", "softmax"} & ops or {"amax", "exp", "sum", "div"} <= ops:
-        return "fuselab.kernels.softmax"
-    if {"neg", "cat", "mul", "add"} <= ops:
-        return "fuselab.kernels.apply_rope (rotary embedding in one kernel)"
-    return GRAPH_FIX if mean_kernel_us < SMALL_KERNEL_US else ONE_KERNEL_FIX
 
 
 def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool]) -> list[list[int]]:
@@ -99,61 +92,155 @@ def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool])
     return runs
 
 
-def _count_sequences(runs: list[list[int]], events: list[GpuEvent], ids: list[int]) -> tuple[Counter, Counter, Counter]:
-    """Per sequence of label ids: its occurrences, their first-start-to-last-end time, and their kernel time."""
-    counts: Counter = Counter()
-    span_us: Counter = Counter()
-    kernel_us: Counter = Counter()
-    for run in runs:
-        run_ids = [ids[i] for i in run]
-        starts = [events[i].ts for i in run]
-        ends = [events[i].end for i in run]
-        elapsed = [0.0]  # prefix sums of kernel durations
-        for i in run:
-            elapsed.append(elapsed[-1] + events[i].dur)
-        next_free: dict[tuple, int] = {}  # occurrences of one sequence in a run do not overlap
-        for n in range(MIN_LENGTH, min(MAX_LENGTH, len(run)) + 1):
-            for start in range(len(run) - n + 1):
-                key = tuple(run_ids[start:start + n])
-                if start < next_free.get(key, 0):
-                    continue
-                next_free[key] = start + n
-                counts[key] += 1
-                span_us[key] += ends[start + n - 1] - starts[start]
-                kernel_us[key] += elapsed[start + n] - elapsed[start]
-    return counts, span_us, kernel_us
-
-
-def _most_costly(counts: Counter, span_us: Counter) -> list[tuple]:
-    """The recurring sequences that take the most time, at most TOP, none inside another."""
-    chosen: list[tuple] = []
-    # A sequence that recurs is worth the time it takes; a longer one that recurs as often covers its parts.
-    for key in sorted((k for k, c in counts.items() if c >= 2), key=lambda k: (-span_us[k], -len(k))):
-        if any(_contains(big, key) or _contains(key, big) for big in chosen):
-            continue
-        chosen.append(key)
-        if len(chosen) == TOP:
-            break
-    return chosen
-
-
-def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: list[str],
-                      replayed: list[bool]) -> list[FusionCandidate]:
-    """The most time-consuming recurring sequences of individually launched kernels, longest first among
-    overlapping ones, at most TOP."""
-    vocabulary: dict[str, int] = {}
-    ids = [vocabulary.setdefault(label, len(vocabulary)) for label in labels]
-    fusable = [_fusable(e, label) and not from_graph for e, label, from_graph in zip(events, labels, replayed)]
-    counts, span_us, kernel_us = _count_sequences(_runs(members, events, fusable), events, ids)
-    names = list(vocabulary)
-    out = []
-    for key in _most_costly(counts, span_us):
-        label_names = tuple(names[i] for i in key)
-        mean_kernel = kernel_us[key] / (counts[key] * len(key))
-        out.append(FusionCandidate(label_names, counts[key], span_us[key], kernel_us[key], fix_for(label_names, mean_kernel)))
+def _occurrences(ids: list[int], key: tuple) -> list[int]:
+    """Start positions of the non-overlapping occurrences of key in ids, left to right."""
+    n, out, pos = len(key), [], 0
+    while pos + n <= len(ids):
+        if tuple(ids[pos:pos + n]) == key:
+            out.append(pos)
+            pos += n
+        else:
+            pos += 1
     return out
 
 
-def _contains(outer: tuple, inner: tuple) -> bool:
-    n = len(inner)
-    return any(outer[i:i + n] == inner for i in range(len(outer) - n + 1))
+def _run_counts(run: list[int], events: list[GpuEvent], ids: list[int]) -> dict[tuple, list[float]]:
+    """Per sequence of label ids in one run: [occurrences, their first-start-to-last-end time, their kernel time]."""
+    out: dict[tuple, list[float]] = {}
+    run_ids = [ids[i] for i in run]
+    starts = [events[i].ts for i in run]
+    ends = [events[i].end for i in run]
+    elapsed = [0.0]  # prefix sums of kernel durations
+    for i in run:
+        elapsed.append(elapsed[-1] + events[i].dur)
+    for n in range(MIN_LENGTH, min(MAX_LENGTH, len(run)) + 1):
+        next_free: dict[tuple, int] = {}  # occurrences of one sequence in a run do not overlap
+        # zip over shifted copies builds every n-gram of the run in one pass (in C)
+        for start, key in enumerate(zip(*(run_ids[j:] for j in range(n)))):
+            if start < next_free.get(key, 0):
+                continue
+            next_free[key] = start + n
+            span, kernels = ends[start + n - 1] - starts[start], elapsed[start + n] - elapsed[start]
+            entry = out.get(key)
+            if entry is None:
+                out[key] = [1, span, kernels]
+            else:
+                entry[0] += 1
+                entry[1] += span
+                entry[2] += kernels
+    return out
+
+
+class _Tally:
+    """The counts of every sequence over a set of runs, kept up to date as runs are cut."""
+
+    def __init__(self, runs: list[list[int]], events: list[GpuEvent], ids: list[int]) -> None:
+        self.events, self.ids = events, ids
+        self.runs = runs
+        self.totals: dict[tuple, list[float]] = {}  # sequence -> [occurrences, span us, kernel us]
+        for run in runs:
+            self._add(run, +1)
+
+    def _add(self, run: list[int], sign: int) -> None:
+        totals = self.totals
+        for key, (count, span, kernels) in _run_counts(run, self.events, self.ids).items():
+            entry = totals.get(key)
+            if entry is None:
+                totals[key] = [sign * count, sign * span, sign * kernels]
+                continue
+            entry[0] += sign * count
+            entry[1] += sign * span
+            entry[2] += sign * kernels
+            if entry[0] <= 0:
+                del totals[key]  # no run holds it any more
+
+    def best(self) -> tuple | None:
+        """The recurring sequence that takes the most time (the longer one among equals)."""
+        keys = [k for k, entry in self.totals.items() if entry[0] >= 2]
+        return max(keys, key=lambda k: (self.totals[k][1], len(k)), default=None)
+
+    def _cut(self, run: list[int], found: list[int], n: int) -> tuple[float, float, list[list[int]]]:
+        """The block and kernel time of the occurrences at `found` in run, and the pieces of run around them."""
+        block_us = kernels_us = 0.0
+        block_start = None
+        for pos, p in enumerate(found):
+            kernels_us += sum(self.events[run[p + j]].dur for j in range(n))
+            block_start = p if block_start is None else block_start
+            if pos + 1 == len(found) or found[pos + 1] != p + n:  # a block of back-to-back occurrences ends
+                block_us += self.events[run[p + n - 1]].end - self.events[run[block_start]].ts
+                block_start = None
+        pieces, cursor = [], 0
+        for p in found + [len(run)]:
+            if p - cursor >= MIN_LENGTH:
+                pieces.append(run[cursor:p])
+            cursor = p + n
+        return block_us, kernels_us, pieces
+
+    def claim(self, key: tuple) -> tuple[int, float, float]:
+        """Cut the occurrences of key out of the runs; its count, block time and kernel time."""
+        count, block_us, kernels_us = 0, 0.0, 0.0
+        kept: list[list[int]] = []
+        for run in self.runs:
+            run_ids = [self.ids[i] for i in run]
+            found = _occurrences(run_ids, key) if key[0] in run_ids else []
+            if not found:
+                kept.append(run)
+                continue
+            self._add(run, -1)
+            run_block, run_kernels, pieces = self._cut(run, found, len(key))
+            count, block_us, kernels_us = count + len(found), block_us + run_block, kernels_us + run_kernels
+            for piece in pieces:
+                self._add(piece, +1)
+            kept += pieces
+        self.runs = kept
+        return count, block_us, kernels_us
+
+
+def _attention_candidates(members, events, labels, replayed) -> tuple[list[FusionCandidate], set[int]]:
+    """Hand-written attention, one candidate per distinct sequence, and the kernels on the scores it claims."""
+    grouped: dict[tuple[str, ...], list] = {}
+    claimed: set[int] = set()
+    for m in attention_matches(members, events, labels, replayed):
+        seq = tuple(labels[i] for i in [m.first, *m.between, m.second])
+        grouped.setdefault(seq, []).append(m)
+        claimed.update(m.between)
+    out = []
+    for seq, matches in grouped.items():
+        # What the fix removes lies between the two matmuls, which flash attention still computes.
+        total = sum(events[m.second].ts - events[m.first].end for m in matches)
+        kernels = sum(events[i].dur for m in matches for i in m.between)
+        out.append(FusionCandidate(seq, len(matches), total, kernels, ATTENTION_FIX, "attention"))
+    return out, claimed
+
+
+def _optimizer_for(key: tuple, names: list[str], labels: list[str], optimizer: list[str | None],
+                   members: list[list[int]]) -> str | None:
+    """The optimizer that launched most kernels carrying these labels, if most of them were launched by one."""
+    wanted = {names[i] for i in key}
+    found = Counter(optimizer[i] for indices in members for i in indices if labels[i] in wanted)
+    name, count = max(found.items(), key=lambda kv: kv[1], default=(None, 0))
+    return name if name is not None and count * 2 > sum(found.values()) else None
+
+
+def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: list[str],
+                      replayed: list[bool], optimizer: list[str | None] | None = None) -> list[FusionCandidate]:
+    """The most time-consuming recurring chains of individually launched kernels, at most TOP, no two
+    sharing a kernel; `optimizer` (aligned with events) names the optimizer whose step launched each."""
+    optimizer = optimizer or [None] * len(events)
+    out, on_scores = _attention_candidates(members, events, labels, replayed)
+    vocabulary: dict[str, int] = {}
+    ids = [vocabulary.setdefault(label, len(vocabulary)) for label in labels]
+    fusable = [_fusable(e, label) and not from_graph and i not in on_scores
+               for i, (e, label, from_graph) in enumerate(zip(events, labels, replayed))]
+    tally = _Tally(_runs(members, events, fusable), events, ids)
+    names = list(vocabulary)
+    while len(out) < TOP:
+        key = tally.best()
+        if key is None:
+            break
+        count, block_us, kernels_us = tally.claim(key)
+        label_names = tuple(names[i] for i in key)
+        owner = _optimizer_for(key, names, labels, optimizer, members)
+        chain = fix_for(label_names, kernels_us / (count * len(key)), owner)
+        out.append(FusionCandidate(label_names, count, block_us, kernels_us, chain.action, chain.rule, owner))
+    return out

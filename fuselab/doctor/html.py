@@ -25,7 +25,7 @@ COLORS = {
     "compute": "#2e9d4f", "memory": "#2f7bd1", "copy": "#8a8a8a", "launch": "#f2b233", "sync": "#d64541",
     "other": "#c9c9c9", "call": "#6d4bb3", "profiler": "#f0f0f0", "communication": "#b5651d",
 }
-PART_COLORS = {"compute": COLORS["compute"], "memory": COLORS["memory"], "launch_gaps": COLORS["launch"],
+PART_COLORS = {"compute": COLORS["compute"], "memory": COLORS["memory"], "copies": COLORS["copy"], "launch_gaps": COLORS["launch"],
                "sync_stalls": COLORS["sync"], "other_idle": COLORS["other"]}
 
 

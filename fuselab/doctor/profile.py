@@ -3,16 +3,25 @@
 Steps are "ProfilerStep#N" ranges, the same names torch.profiler's own `prof.step()` writes, so a
 trace recorded here and one recorded elsewhere read the same way. At the end of each step the
 doctor waits for the GPU inside a "fuselab.doctor.step_boundary" range: steps then do not
-overlap on the GPU, and the analysis leaves that wait out of the workload's syncs.
+overlap on the GPU, and the analysis leaves that wait out of the workload's syncs. Each step also
+records torch's float32 matmul precision (whether TF32 was allowed) as a zero-length range, and
+each sync's exact source line (sync_sites.py).
+
+A script's steps after the profiled ones are timed without the profiler: each of the next
+UNPROFILED_STEPS steps ends with the same wait for the GPU, and the median time between those
+ends is the unprofiled step time; the rest of the script runs undisturbed.
 """
 
 from __future__ import annotations
 
 import os
 import runpy
+import statistics
 import sys
 import tempfile
+import time
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +30,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from fuselab.device import Ceilings, ceilings as measured_ceilings, has_cuda
 from fuselab.doctor.analyze import analyze_file
+from fuselab.doctor.precision import FP32_PRECISION_MARK
+from fuselab.doctor.sync_sites import SyncSiteRecorder
 from fuselab.doctor.syncs import STEP_BOUNDARY
 from fuselab.doctor.trace import STEP_PREFIX
 from fuselab.doctor.verdict import Diagnosis, verdict_for
@@ -28,28 +39,55 @@ from fuselab.timing import bench
 
 BATCH_FACTOR = 10
 UNPROFILED_REP_MS = 50.0  # enough repetitions for a stable median of a step, without doubling the run
+UNPROFILED_STEPS = 20  # a script's steps timed without the profiler, at most
+
+
+def _wait_for_gpu() -> None:
+    if has_cuda():
+        torch.cuda.synchronize()
 
 
 class _Session:
-    """The profiler run that `step()` marks steps in; at most `max_steps` steps are recorded."""
+    """The profiler run that `step()` marks steps in; at most `max_steps` steps are recorded, then up to
+    UNPROFILED_STEPS are timed without the profiler."""
 
     def __init__(self, prof: profile, max_steps: int | None):
         self.prof = prof
         self.max_steps = max_steps
         self.recorded = 0
         self.open_range: record_function | None = None
+        self.sync_sites = SyncSiteRecorder()
+        self.unprofiled_ends: list[float] | None = None  # perf_counter at each unprofiled step end, once profiling stopped
 
     def open_step(self) -> None:
         self.open_range = record_function(f"{STEP_PREFIX}{self.recorded}")
         self.open_range.__enter__()
+        with record_function(FP32_PRECISION_MARK + torch.get_float32_matmul_precision()):
+            pass
 
     def close_step(self) -> None:
         with record_function(STEP_BOUNDARY):
-            if has_cuda():
-                torch.cuda.synchronize()
+            _wait_for_gpu()
         self.open_range.__exit__(None, None, None)
         self.open_range = None
         self.recorded += 1
+
+    def stop_profiling(self) -> None:
+        """Stop recording; time the steps that follow from here."""
+        self.sync_sites.stop()
+        self.prof.stop()
+        _wait_for_gpu()
+        self.unprofiled_ends = [time.perf_counter()]
+
+    def end_unprofiled_step(self) -> None:
+        if self.unprofiled_ends is not None and len(self.unprofiled_ends) <= UNPROFILED_STEPS:
+            _wait_for_gpu()
+            self.unprofiled_ends.append(time.perf_counter())
+
+    @property
+    def unprofiled_step_us(self) -> list[float]:
+        ends = self.unprofiled_ends or []
+        return [1e6 * (b - a) for a, b in zip(ends, ends[1:])]
 
     @property
     def full(self) -> bool:
@@ -67,11 +105,14 @@ def step() -> None:
     recorded, profiling stops and the rest of the script runs unprofiled.
     """
     session = _SESSION.get()
-    if session is None or session.open_range is None:
+    if session is None:
+        return
+    if session.open_range is None:
+        session.end_unprofiled_step()
         return
     session.close_step()
     if session.full:
-        session.prof.stop()
+        session.stop_profiling()
         return
     session.open_step()
 
@@ -117,12 +158,13 @@ def record_trace(fn: Callable[[], object], path: str | os.PathLike, steps: int =
             torch.cuda.synchronize()
         token = _SESSION.set(session)
         try:
-            for i in range(steps):
-                session.open_step()
-                fn()
-                session.close_step()
-                if on_step:
-                    on_step(i + 1, steps)
+            with session.sync_sites:
+                for i in range(steps):
+                    session.open_step()
+                    fn()
+                    session.close_step()
+                    if on_step:
+                        on_step(i + 1, steps)
         finally:
             _SESSION.reset(token)
     prof.export_chrome_trace(str(path))
@@ -186,9 +228,21 @@ def diagnose(
     return verdict_for(analysis, test, unprofiled_us=unprofiled)
 
 
-def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str | os.PathLike,
-                   steps: int = 5, warmup: int = 1) -> tuple[Path, int]:
-    """Run a Python script as __main__ under the profiler; return the trace path and the steps it marked.
+@dataclass
+class ScriptRun:
+    trace: Path
+    recorded: int  # steps marked under the profiler (1 for a script that marks none)
+    unprofiled_step_us: list[float]  # the steps timed after profiling stopped
+
+    @property
+    def unprofiled_us(self) -> float | None:
+        """The median unprofiled step, or None when the script ran no step past the profiled ones."""
+        return statistics.median(self.unprofiled_step_us) if self.unprofiled_step_us else None
+
+
+def record_script(script: str | os.PathLike, argv: list[str], trace_path: str | os.PathLike,
+                  steps: int = 5, warmup: int = 1) -> ScriptRun:
+    """Run a Python script as __main__ under the profiler, then time its remaining steps without it.
 
     The script marks steps with `fuselab.doctor.step()`; the first `warmup` steps are recorded but
     meant to be skipped by the analysis. A script that marks none is recorded whole as one step.
@@ -204,6 +258,7 @@ def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str |
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.parent.resolve()))
     prof.start()
+    session.sync_sites.start()
     session.open_step()
     try:
         runpy.run_path(str(path), run_name="__main__")
@@ -214,7 +269,15 @@ def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str |
         _SESSION.reset(token)
         if session.open_range is not None:  # else step() already stopped the profiler
             session.close_step()
+            session.sync_sites.stop()
             prof.stop()
         sys.argv, sys.path[:] = saved_argv, saved_path
     prof.export_chrome_trace(str(trace_path))
-    return Path(trace_path), session.recorded
+    return ScriptRun(Path(trace_path), session.recorded, session.unprofiled_step_us)
+
+
+def profile_script(script: str | os.PathLike, argv: list[str], trace_path: str | os.PathLike,
+                   steps: int = 5, warmup: int = 1) -> tuple[Path, int]:
+    """`record_script`, returning only the trace path and the steps it marked."""
+    run = record_script(script, argv, trace_path, steps=steps, warmup=warmup)
+    return run.trace, run.recorded

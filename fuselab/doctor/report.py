@@ -13,9 +13,10 @@ from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.verdict import Diagnosis
 from fuselab.doctor.views_report import view_tables
 
-VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green"}
-PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "launch_gaps": "launch gaps (GPU waited for the host)",
-              "sync_stalls": "sync stalls", "other_idle": "other idle"}
+VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green",
+                 "copy-bound": "bold magenta"}
+PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "copies": "copies (host <-> device)",
+              "launch_gaps": "launch gaps (GPU waited for the host)", "sync_stalls": "sync stalls", "other_idle": "other idle"}
 
 
 def _bar(share: float, width: int = 30) -> str:
@@ -49,25 +50,37 @@ def _steps_table(a: Analysis) -> Table:
 
 
 def _syncs_table(a: Analysis) -> Table | None:
-    sites = Counter((s.cause, s.source or "(no stack recorded)") for step in a.syncs for s in step)
+    sites = Counter((s.cause, s.source or "(no stack recorded)", s.source_exact) for step in a.syncs for s in step)
     if not sites:
         return None
     syncs = Table(title="host-blocking syncs")
-    for col in ("cause", "source", "count"):
+    for col in ("cause", "source", "line", "count"):
         syncs.add_column(col, justify="right" if col == "count" else "left")
-    for (cause, source), n in sites.most_common():
-        syncs.add_row(cause, source, str(n))
+    for (cause, source, exact), n in sites.most_common():
+        line = "exact" if exact else ("profiler's (function start)" if source != "(no stack recorded)" else "—")
+        syncs.add_row(cause, source, line, str(n))
     return syncs
+
+
+def _copies_table(a: Analysis) -> Table | None:
+    if not a.copies:
+        return None
+    copies = Table(title="copies per step")
+    for col in ("route", "count", "us", "MB", "GB/s", "blocking"):
+        copies.add_column(col, justify="left" if col == "route" else "right")
+    for g in a.copies:
+        copies.add_row(g.label, f"{g.count:g}", f"{g.us:.1f}", f"{g.bytes / 1e6:,.1f}", f"{g.gbs:.1f}", f"{g.blocking:g}")
+    return copies
 
 
 def _fusion_table(a: Analysis) -> Table | None:
     if not a.fusion:
         return None
-    fusion = Table(title="recurring kernel sequences")
+    fusion = Table(title="recurring kernel chains (each kernel in one)")
     for col in ("sequence", "count", "total us", "fix"):
         fusion.add_column(col, justify="right" if col in ("count", "total us") else "left")
     for c in a.fusion:
-        fusion.add_row(" → ".join(c.labels), str(c.count), f"{c.total_us:.0f}", c.fix)
+        fusion.add_row((f"{c.optimizer}.step: " if c.optimizer else "") + " → ".join(c.labels), str(c.count), f"{c.total_us:.0f}", c.fix)
     return fusion
 
 
@@ -80,7 +93,7 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
         console.print(f"  • {line}")
     console.print(_breakdown_table(d))
     if d.analysis is not None:
-        for table in (_steps_table(d.analysis), _syncs_table(d.analysis), _fusion_table(d.analysis)):
+        for table in (_steps_table(d.analysis), _syncs_table(d.analysis), _copies_table(d.analysis), _fusion_table(d.analysis)):
             if table is not None:
                 console.print(table)
     for table in view_tables(d.views):
@@ -88,6 +101,8 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
     console.print("[bold]fixes, by estimated saving[/]")
     for rank, fix in enumerate(d.fixes, 1):
         saving = f"~{fix.saving_us:.0f} us/step" if fix.saving_us else "—"
+        if fix.alone_us and fix.alone_us > fix.saving_us + 0.5:
+            saving += f" after the fixes above, ~{fix.alone_us:.0f} alone"
         console.print(f"  {rank}. {fix.action}  [dim]({saving}; {fix.why})[/]")
 
 

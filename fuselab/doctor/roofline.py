@@ -4,8 +4,9 @@ Matrix ops and attention count 2 FLOPs per multiply-add from their shapes; every
 one FLOP per output element (a reduction: per input element). Bytes are inputs read plus output
 written, from shapes and dtypes; the output shape is inferred per op family. A kernel is
 compute-bound when its arithmetic intensity (FLOP/byte) is above the ridge point of the ceilings
-(bf16 TFLOP/s over copy GB/s), memory-bound below it; its % of ceiling is the achieved rate over
-the ceiling on that side.
+(TFLOP/s over copy GB/s), memory-bound below it; its % of ceiling is the achieved rate over the
+ceiling on that side. A matrix multiply's compute ceiling is its precision's (a float32 GEMM is held
+to the float32 or TF32 rate, see precision.py); other ops are held to the bf16 rate.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from fuselab.device import Ceilings
+from fuselab.doctor.precision import faster_than_fp32, matmul_precision, tflops_ceiling
 from fuselab.doctor.trace import CpuOp, GpuEvent
 
 DTYPE_BYTES = {
@@ -38,6 +40,7 @@ _COMPUTE_KERNEL_NAMES = re.compile(r"gemm|xmma|cutlass|wgmma|matmul|flash|fmha|a
 class OpCost:
     flops: float
     bytes: float
+    matrix: bool = False  # a matrix multiply or attention: held to its precision's tensor-core ceiling
 
 
 @dataclass
@@ -49,6 +52,8 @@ class KernelCost:
     bytes: float | None
     bound: str  # "compute" or "memory"
     pct_of_ceiling: float | None  # achieved rate over the ceiling on the bound side; None without an op's shapes
+    precision: str | None = None  # of a matrix multiply: "bf16", "fp16", "tf32", "fp32", "fp8"
+    tflops_ceiling: float | None = None  # the compute ceiling it was held to
 
 
 def _numel(shape) -> int:
@@ -102,11 +107,11 @@ def _matrix_cost(name: str, tensors: list[tuple[list[int], int]]) -> OpCost | No
         b, h, length, e = q
         s_len, ev = k[2], v[3]
         flops = 2.0 * b * h * length * s_len * (e + ev)  # Q K^T, then P V
-        return OpCost(flops, read + b * h * length * ev * tensors[0][1])
+        return OpCost(flops, read + b * h * length * ev * tensors[0][1], matrix=True)
     if mkn is None:
         return None
     batch, m, k, n = mkn
-    return OpCost(2.0 * batch * m * k * n, read + batch * m * n * elem)
+    return OpCost(2.0 * batch * m * k * n, read + batch * m * n * elem, matrix=True)
 
 
 def op_cost(op: CpuOp) -> OpCost | None:
@@ -136,8 +141,29 @@ def op_cost(op: CpuOp) -> OpCost | None:
     return OpCost(float(largest), float(read + largest * tensors[0][1]))
 
 
-def kernel_costs(kernels: list[GpuEvent], op_of: dict[int, CpuOp | None], ceilings: Ceilings) -> list[KernelCost]:
-    """Roofline place of each GPU event; `op_of` maps an event's index in `kernels` to its launching op.
+def _place(k: GpuEvent, op: CpuOp, cost: OpCost, share: float, ceilings: Ceilings, tf32: bool | None) -> KernelCost:
+    """One kernel's share of its op's cost on the roofline of its precision."""
+    flops, nbytes = cost.flops * share, cost.bytes * share
+    precision = matmul_precision(op.input_types, k.name, tf32) if cost.matrix else None
+    if precision == "fp32" and tf32 is None and faster_than_fp32(flops, k.dur, ceilings):
+        precision = "tf32"  # faster than float32 can run: cuBLAS used the tensor cores
+    tflops = tflops_ceiling(ceilings, precision)
+    ridge = tflops * 1e12 / (ceilings.copy_bandwidth_gbs * 1e9)
+    compute = nbytes > 0 and flops / nbytes >= ridge
+    if k.dur <= 0:
+        pct = None
+    elif compute:
+        pct = 100 * flops / (tflops * 1e6) / k.dur
+    else:
+        pct = 100 * ceilings.memory_time_us(nbytes) / k.dur
+    return KernelCost(k.name, op.name, k.dur, flops, nbytes, "compute" if compute else "memory", pct,
+                      precision, tflops if cost.matrix else None)
+
+
+def kernel_costs(kernels: list[GpuEvent], op_of: dict[int, CpuOp | None], ceilings: Ceilings,
+                 tf32: list[bool | None] | None = None) -> list[KernelCost]:
+    """Roofline place of each GPU event; `op_of` maps an event's index in `kernels` to its launching op,
+    `tf32` (aligned with `kernels`) says whether TF32 was allowed when it was launched, None where unknown.
 
     An op that launched several kernels has its FLOPs and bytes shared among them by duration.
     """
@@ -146,7 +172,6 @@ def kernel_costs(kernels: list[GpuEvent], op_of: dict[int, CpuOp | None], ceilin
         op = op_of.get(i)
         if op is not None:
             op_time[id(op)] = op_time.get(id(op), 0.0) + k.dur
-    ridge = ceilings.bf16_tflops * 1e12 / (ceilings.copy_bandwidth_gbs * 1e9)
     costs = []
     cache: dict[int, OpCost | None] = {}
     for i, k in enumerate(kernels):
@@ -161,13 +186,5 @@ def kernel_costs(kernels: list[GpuEvent], op_of: dict[int, CpuOp | None], ceilin
             costs.append(KernelCost(k.name, op.name if op else None, k.dur, None, None, bound, None))
             continue
         share = k.dur / op_time[id(op)] if op_time[id(op)] > 0 else 1.0
-        flops, nbytes = cost.flops * share, cost.bytes * share
-        compute = nbytes > 0 and flops / nbytes >= ridge
-        if k.dur <= 0:
-            pct = None
-        elif compute:
-            pct = 100 * ceilings.compute_time_us(flops) / k.dur
-        else:
-            pct = 100 * ceilings.memory_time_us(nbytes) / k.dur
-        costs.append(KernelCost(k.name, op.name, k.dur, flops, nbytes, "compute" if compute else "memory", pct))
+        costs.append(_place(k, op, cost, share, ceilings, tf32[i] if tf32 else None))
     return costs

@@ -1,6 +1,9 @@
 """The rules that decide what bounds a step, one function per finding.
 
 The verdict rules, in order; the first that finds something decides:
+0. `copies_dominate`: copies between host and device (or device to device) take at least
+   COPY_SHARE of the step and more of it than any other part: the step is copy-bound, whatever the
+   idle around them (a pageable copy keeps the host waiting while the driver stages it);
 1. `gpu_idles`: the GPU idles for at least IDLE_SHARE of the step: it is sync-bound when the idle
    follows syncs more than launches; else launch-bound when the host, its sync waits aside, takes at
    least as long to issue a step's work as the GPU takes to run it; else the host runs ahead and the
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from fuselab.doctor.summary import StepSummary
 
 IDLE_SHARE = 0.30
+COPY_SHARE = 0.30
 TINY_KERNEL_US = 5.0
 TINY_KERNEL_MIN_COUNT = 20
 FLAT_BATCH_RATIO = 1.5  # time at 10x the batch over time at 1x, below which the step does not scale
@@ -33,6 +37,13 @@ LONE_STALL_SHARE = 0.25  # one launch gap this much of the step is a host stall 
 class Finding:
     verdict: str
     evidence: tuple[str, ...] = ()  # what the rule saw, beyond the summary's own evidence
+
+
+def copies_dominate(s: StepSummary) -> Finding | None:
+    copies = s.parts["copies"]
+    if s.wall_us and copies >= COPY_SHARE * s.wall_us and all(copies >= v for k, v in s.parts.items() if k != "copies"):
+        return Finding("copy-bound")
+    return None
 
 
 def gpu_idles(s: StepSummary) -> Finding | None:
@@ -51,10 +62,12 @@ def tiny_kernels(s: StepSummary) -> Finding | None:
 
 
 def kernels_decide(s: StepSummary) -> Finding:
-    return Finding("compute-bound" if s.parts["compute"] >= s.parts["memory"] else "memory-bound")
+    # Copies count with the memory side: they move bytes and compute nothing.
+    memory = s.parts["memory"] + s.parts["copies"]
+    return Finding("compute-bound" if s.parts["compute"] >= memory else "memory-bound")
 
 
-VERDICT_RULES = (gpu_idles, tiny_kernels, kernels_decide)
+VERDICT_RULES = (copies_dominate, gpu_idles, tiny_kernels, kernels_decide)
 
 
 def lone_host_stall(s: StepSummary, verdict: str) -> str | None:

@@ -5,6 +5,8 @@ measures it): the profiler slows host code several times over (Python-heavy code
 the kernels, so GPU busy share = profiled kernel time / unprofiled step time (at most 100%), and
 the idle the unprofiled step leaves is split among launch gaps, sync stalls and other idle as the
 profiler saw them. A trace alone (`analyze_trace`) is judged as profiled.
+
+Busy time is split into compute-bound kernels, memory-bound kernels (and memsets) and copies.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class StepSummary:
     profiled_wall_us: float
     unprofiled_us: float | None  # the step timed without the profiler, when it was
     wall_us: float  # the step time judged: the unprofiled one when known, else the profiled one
-    parts: dict[str, float]  # compute, memory and the IDLE_PARTS, in us, scaled to wall_us
+    parts: dict[str, float]  # compute, memory, copies and the IDLE_PARTS, in us, scaled to wall_us
     breakdown: dict[str, dict[str, float]]  # part -> {"us": per step, "share": of wall_us}
     idle_scale: float  # the factor applied to the profiled idle parts
     idle_share: float
@@ -43,8 +45,10 @@ class StepSummary:
     syncs: float
     sync_blocked_us: float
     graph_launch_gap_us: float  # as profiled
-    compute_pct: float | None  # time-weighted % of ceiling of the compute-bound kernels
+    compute_pct: float | None  # time-weighted % of ceiling of the compute-bound kernels (each against its precision's)
     memory_pct: float | None
+    compute_ceilings: dict[str, float]  # precision -> TFLOP/s ceiling, of the compute-bound matrix kernels
+    gemm_us: dict[str, float]  # precision -> compute-bound matrix-multiply kernel time per step
     longest_launch_gap_us: float
     stalled_in: CpuOp | None  # the innermost host op that ran through most of the longest launch gap
 
@@ -65,6 +69,21 @@ def _roofline_pct(analysis: Analysis, bound: str) -> float | None:
     return weighted / total if total else None
 
 
+def _matrix_kernels(analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
+    """Per precision, over the compute-bound matrix-multiply kernels (the ones a faster precision speeds up):
+    their time per step, and their ceiling."""
+    gemm_us: dict[str, float] = {}
+    ceilings: dict[str, float] = {}
+    for indices in analysis.step_events:
+        for i in indices:
+            c = analysis.costs[i]
+            if c.precision is None or c.bound != "compute":
+                continue
+            gemm_us[c.precision] = gemm_us.get(c.precision, 0.0) + c.dur_us / len(analysis.steps)
+            ceilings[c.precision] = c.tflops_ceiling
+    return gemm_us, ceilings
+
+
 def _longest_launch_gap(analysis: Analysis) -> tuple[float, CpuOp | None]:
     """The longest wait of the GPU for the host, and the innermost host op that ran through most of it."""
     gaps = [(g1 - g0, g0, g1) for step_gaps in analysis.gaps for g0, g1, kind in step_gaps if kind == "launch"]
@@ -83,6 +102,7 @@ def _judged_step(analysis: Analysis, unprofiled_us: float | None) -> tuple[float
     parts = {
         "compute": _mean([s.compute_us for s in steps]),
         "memory": _mean([s.memory_us for s in steps]),
+        "copies": _mean([s.copy_us for s in steps]),
         "launch_gaps": _mean([s.launch_gap_us for s in steps]),
         "sync_stalls": _mean([s.sync_stall_us for s in steps]),
         "other_idle": _mean([s.other_idle_us for s in steps]),
@@ -108,6 +128,7 @@ def summarize(analysis: Analysis, unprofiled_us: float | None = None) -> StepSum
     breakdown = {k: {"us": v, "share": v / wall if wall else 0.0} for k, v in parts.items()}
     gpu_busy = _mean([s.gpu_busy_us for s in steps])
     gap_us, stalled_in = _longest_launch_gap(analysis)
+    gemm_us, compute_ceilings = _matrix_kernels(analysis)
     return StepSummary(
         profiled_wall_us=_mean([s.wall_us for s in steps]),
         unprofiled_us=unprofiled_us,
@@ -132,6 +153,8 @@ def summarize(analysis: Analysis, unprofiled_us: float | None = None) -> StepSum
         graph_launch_gap_us=_mean([s.graph_launch_gap_us for s in steps]),
         compute_pct=_roofline_pct(analysis, "compute"),
         memory_pct=_roofline_pct(analysis, "memory"),
+        compute_ceilings=compute_ceilings,
+        gemm_us=gemm_us,
         longest_launch_gap_us=gap_us,
         stalled_in=stalled_in,
     )

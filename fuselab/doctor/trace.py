@@ -50,6 +50,7 @@ class GpuEvent:
     graph_node: int | None = None  # set when the event was replayed from a CUDA graph (not every version records it)
     grid: tuple[int, ...] | None = None  # a kernel's launch grid and block, as recorded
     block: tuple[int, ...] | None = None
+    bytes: int | None = None  # of a memcpy or memset, as the trace records it
 
     @property
     def end(self) -> float:
@@ -285,7 +286,7 @@ def parse_events(events: list, source: str = "<events>") -> Trace:
                 name, GPU_CATEGORIES[cat], ts, dur, _as_int(args.get("device", e.get("pid"))) or 0,
                 _as_int(args.get("stream", e.get("tid"))) or 0, _as_int(args.get("correlation")),
                 _as_int(args.get("External id")), _as_int(args.get("graph node id")),
-                _dims(args.get("grid")), _dims(args.get("block")),
+                _dims(args.get("grid")), _dims(args.get("block")), _as_int(args.get("bytes")),
             ))
         elif cat in RUNTIME_CATEGORIES:
             trace.runtime.append(RuntimeCall(name, ts, dur, tid, _as_int(args.get("correlation")), _as_int(args.get("External id"))))

@@ -11,10 +11,15 @@ from functools import cached_property
 
 from fuselab.device import Ceilings
 from fuselab.doctor.analyze import Analysis
+from fuselab.doctor.copies import copies_evidence
 from fuselab.doctor.fixes import Fix, ranked_fixes
+from fuselab.doctor.precision import RATIO_SOURCE
 from fuselab.doctor.rules import IDLE_SHARE, judge
 from fuselab.doctor.summary import StepSummary, summarize
 from fuselab.doctor.views import Views, views as detail_views
+
+
+HOST_AHEAD_DELAY = 3  # kernels' worth of launch delay that says the work waited in a queue, not for a launch
 
 
 @dataclass
@@ -31,6 +36,7 @@ class Diagnosis:
     graph_launches_per_step: float = 0.0
     graph_kernels_per_step: float = 0.0
     unprofiled_us_per_step: float | None = None  # the step timed without the profiler, when it was
+    profiled_verdict: str | None = None  # the verdict on the profiled step, when the unprofiled one was judged
     batch_test: dict | None = None
     analysis: Analysis | None = field(default=None, repr=False)
 
@@ -48,6 +54,9 @@ class Diagnosis:
             "steps": self.steps,
             "wall_us_per_step": self.wall_us_per_step,
             "unprofiled_us_per_step": self.unprofiled_us_per_step,
+            "profiled_verdict": self.profiled_verdict,
+            "profiler_slowdown": (self.wall_us_per_step / self.unprofiled_us_per_step
+                                  if self.unprofiled_us_per_step else None),
             "kernels_per_step": self.kernels_per_step,
             "graph_launches_per_step": self.graph_launches_per_step,
             "graph_kernels_per_step": self.graph_kernels_per_step,
@@ -64,6 +73,7 @@ class Diagnosis:
             out["per_step"] = [s.to_dict() for s in a.steps]
             out["syncs"] = [s.to_dict() for step in a.syncs for s in step]
             out["fusion_candidates"] = [c.to_dict() for c in a.fusion]
+            out["copies"] = [g.to_dict() for g in a.copies]
             out.update(self.views.to_dict())
         return out
 
@@ -82,7 +92,9 @@ def _summary_evidence(s: StepSummary, c: Ceilings) -> list[str]:
         f"sync stalls {100 * b['sync_stalls']['share']:.0f}%, other {100 * b['other_idle']['share']:.0f}%"
         + (" (the unprofiled idle, split as the profiler saw it)" if unprofiled else "")
     )
-    launch_delay = (f"launch delay median {s.launch_delay_median_us:.1f} us (call to kernel start)"
+    queued = s.launch_delay_median_us > HOST_AHEAD_DELAY * max(s.median_kernel_us, 1.0)
+    launch_delay = (f"launch delay median {s.launch_delay_median_us:.1f} us (call to kernel start"
+                    + ("; the host runs ahead and the work waits in the GPU's queue" if queued else "") + ")"
                     if s.launched_alone else "")
     if s.graph_kernels:
         plural = "" if s.graph_launches == 1 else "es"
@@ -102,13 +114,32 @@ def _summary_evidence(s: StepSummary, c: Ceilings) -> list[str]:
     evidence.append(host_line)
     if s.syncs:
         evidence.append(f"{s.syncs:g} host-blocking syncs per step, blocking the host {s.sync_blocked_us:.0f} us per step")
-    kernel_us = s.parts["compute"] + s.parts["memory"]
+    busy = s.parts["compute"] + s.parts["memory"] + s.parts["copies"]
     for bound, pct in (("compute", s.compute_pct), ("memory", s.memory_pct)):
-        share = s.parts[bound] / kernel_us if kernel_us else 0.0
-        ceiling = f"{c.bf16_tflops:g} TFLOP/s bf16" if bound == "compute" else f"{c.copy_bandwidth_gbs:g} GB/s copy"
-        reached = f" at {pct:.0f}% of the {ceiling} ceiling ({c.source})" if pct is not None else ""
-        evidence.append(f"{bound}-bound kernels: {100 * share:.0f}% of GPU busy time{reached}")
+        share = s.parts[bound] / busy if busy else 0.0
+        evidence.append(f"{bound}-bound kernels: {100 * share:.0f}% of GPU busy time{_ceiling_text(s, c, bound, pct)}")
     return evidence
+
+
+def _ceiling_text(s: StepSummary, c: Ceilings, bound: str, pct: float | None) -> str:
+    """ " at N% of the ... ceiling (source)", naming each precision's ceiling for compute-bound matrix kernels."""
+    if pct is None:
+        return ""
+    if bound == "memory":
+        return f" at {pct:.0f}% of the {c.copy_bandwidth_gbs:g} GB/s copy ceiling ({c.source})"
+    scaled = sorted(p for p in s.compute_ceilings if p not in ("bf16", "fp16"))
+    ceilings = ", ".join(f"{s.compute_ceilings[p]:.4g} TFLOP/s {p}" for p in scaled)
+    if not scaled:
+        return f" at {pct:.0f}% of the {c.bf16_tflops:g} TFLOP/s bf16 ceiling ({c.source})"
+    return f" at {pct:.0f}% of their ceilings ({ceilings}: {RATIO_SOURCE}, {c.bf16_tflops:g} TFLOP/s bf16 from {c.source})"
+
+
+def _sync_line_note(analysis: Analysis) -> str | None:
+    approximate = {s.source for step in analysis.syncs for s in step if s.source and not s.source_exact}
+    if not approximate:
+        return None
+    return ("sync lines from the trace's stacks are the profiler's: the line a function starts on (line 0 for a "
+            "script's top level), not the statement; `fuselab doctor SCRIPT` records each sync's exact line")
 
 
 def verdict_for(analysis: Analysis, batch_test: dict | None = None, unprofiled_us: float | None = None) -> Diagnosis:
@@ -119,10 +150,16 @@ def verdict_for(analysis: Analysis, batch_test: dict | None = None, unprofiled_u
     """
     s = summarize(analysis, unprofiled_us)
     finding = judge(s, batch_test)
+    evidence = _summary_evidence(s, analysis.ceilings) + list(finding.evidence)
+    profiled = judge(summarize(analysis), batch_test).verdict if unprofiled_us is not None else None
+    if profiled is not None and profiled != finding.verdict:
+        evidence.append(f"as profiled the step would read {profiled}; without the profiler it is {finding.verdict}, "
+                        "and the verdict is the unprofiled one")
+    evidence += [line for line in (copies_evidence(analysis.copies, s.wall_us), _sync_line_note(analysis)) if line]
     return Diagnosis(
-        verdict=finding.verdict, evidence=_summary_evidence(s, analysis.ceilings) + list(finding.evidence),
+        verdict=finding.verdict, evidence=evidence,
         breakdown=s.breakdown, fixes=ranked_fixes(analysis, s, finding.verdict), steps=len(analysis.steps),
         kernels_per_step=s.kernels, syncs_per_step=s.syncs, gpu_busy_pct=s.busy_pct, wall_us_per_step=s.profiled_wall_us,
         graph_launches_per_step=s.graph_launches, graph_kernels_per_step=s.graph_kernels, unprofiled_us_per_step=unprofiled_us,
-        batch_test=batch_test, analysis=analysis,
+        profiled_verdict=profiled, batch_test=batch_test, analysis=analysis,
     )
