@@ -51,6 +51,14 @@ def test_trace_mode_reports_bad_input_and_exits_2(tmp_path, capsys):
     assert "no GPU events" in capsys.readouterr().out
 
 
+def test_warmup_that_skips_every_step_is_refused(tmp_path, capsys):
+    trace = dt.launch_bound(steps=3).write(tmp_path / "t.json")
+    assert main(["doctor", "--trace", str(trace), "--warmup", "999"]) == 2
+    out = capsys.readouterr().out
+    assert "--warmup" in out and "3 steps" in out
+    assert main(["doctor", "--trace", str(trace), "--warmup", "2"]) == 0
+
+
 def test_needs_exactly_one_of_trace_or_script(tmp_path, capsys):
     assert main(["doctor"]) == 2
     assert main(["doctor", "--trace", "t.json", "script.py"]) == 2

@@ -228,8 +228,10 @@ def analyze(
         )
     report = on_stage or (lambda stage: None)
     steps = trace.steps or [_whole_trace_step(trace)]
-    if skip_steps and len(steps) > skip_steps:
-        steps = steps[skip_steps:]
+    if skip_steps >= len(steps) and trace.steps:
+        raise ValueError(f"skipping {skip_steps} warm-up steps (--warmup) would leave none of the {len(steps)} steps "
+                         f"of {trace.path}: give --warmup {len(steps) - 1} or less")
+    steps = steps[skip_steps:] if trace.steps else steps
     call_of = {r.correlation: r for r in trace.runtime if r.correlation is not None}
 
     report("roofline")
