@@ -12,9 +12,7 @@ from fuselab.kernels._flash_common import INTERPRETER_FORWARD
 # block edges, the causal diagonal spanning two key blocks, and a partial last block.
 SEQ_LENS = (1, 7, 129)
 
-# Triton's interpreter multiplies bfloat16 tl.dot operands as their raw 16-bit patterns, so bf16
-# runs on the GPU only; fp16 takes the same kernel path on the CPU.
-HALF_DTYPES = (torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu))
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _randn(shape, dtype, device, seed):

@@ -34,6 +34,21 @@ def load_tile(ptrs, row_ok, d_ok, CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr)
     return tile
 
 
+# Triton's interpreter multiplies bfloat16 `tl.dot` operands as their raw 16-bit patterns. There,
+# bf16 operands are widened to fp32 first (exactly); a compiled kernel never takes the branch.
+_WIDEN_BF16_DOTS = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def tile_dot(a, b, acc, PRECISION: tl.constexpr):
+    """tl.dot(a, b, acc) of two tiles of one dtype (acc None: a new fp32 sum), right in the interpreter too."""
+    if _WIDEN_BF16_DOTS:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
 @triton.jit
 def sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN: tl.constexpr):
     """(first row, query rows, key rows) of sequence `batch`: from cu_seqlens when packed (as many

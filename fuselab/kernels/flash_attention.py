@@ -34,6 +34,7 @@ from fuselab.kernels._flash_common import (
     resolve_scale,
     row_strides,
     sequence_span,
+    tile_dot,
     tma_forward_config,
 )
 from fuselab.kernels._launch import cdiv, resident_programs, sm_count
@@ -141,10 +142,10 @@ def _attend_keys(
         keys = start_n + offs_n
         key_ok = keys < seq_k
         kT = load_tile(kT_ptrs + start_n * stride_ks, key_ok[None, :], d_row, CHECK_KEYS, PAD_D)
-        qk = tl.dot(q, kT, input_precision=DOT_PRECISION)
+        qk = tile_dot(q, kT, None, DOT_PRECISION)
         p, alpha, l_i, m_new = _softmax_step(qk, m_i, l_i, offs_m, keys, key_ok, qk_scale, STAGE)
         v = load_tile(v_ptrs + start_n * stride_vs, key_ok[:, None], d_col, CHECK_KEYS, PAD_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = tile_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
