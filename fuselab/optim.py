@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv
-from fuselab.kernels._validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE
+from fuselab.kernels._common.launch import cdiv
+from fuselab.kernels._common.validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE
 
 # Elements one program updates, and its warps: measured on an H200 (scripts/tune-kernels, 64 x 4096^2
 # fp32 parameters), 1024 x 4 warps ran at the copy bandwidth, 7.06 ms a step, against 7.3-8.9 ms for

@@ -2,8 +2,9 @@ import pytest
 import torch
 import triton
 
-from fuselab.kernels import _launch, argmax, linear, rms_norm, swiglu
-from fuselab.kernels._launch import cdiv, dependent_launches, next_power_of_2, use_pdl
+from fuselab.kernels import argmax, linear, rms_norm, swiglu
+from fuselab.kernels._common import launch as _launch
+from fuselab.kernels._common.launch import cdiv, dependent_launches, next_power_of_2, use_pdl
 
 
 def test_host_helpers_agree_with_tritons():
@@ -82,7 +83,7 @@ def test_dependent_launches_give_the_same_results_in_a_cuda_graph():
 
 def test_backward_row_groups_leave_few_partial_rows():
     """One or two programs an SM (as measured fastest with their partial sums), every row covered once."""
-    from fuselab.kernels._row_config import _row_groups
+    from fuselab.kernels._common.row_config import _row_groups
 
     assert _row_groups(16384, 8, 132) == (132, 125)  # two an SM would give each 62 rows: one an SM
     assert _row_groups(4096, 8, 132) == (256, 16)  # two an SM: 16 rows each

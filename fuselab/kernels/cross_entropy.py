@@ -17,7 +17,7 @@ leaves the buffer untouched, so backward costs one near-empty launch and no host
 buffer is consumed, backward can run only once per forward. Without a gradient (inference,
 `torch.no_grad()`, logits that do not require grad) the forward pass only reads the logits.
 On a Hopper GPU, many rows of contiguous bf16/fp16 logits with a gradient go to a Gluon kernel
-instead (`_cross_entropy_hopper`), which keeps most of each row in shared memory for both walks.
+instead (`cross_entropy_hopper`), which keeps most of each row in shared memory for both walks.
 
 Targets outside [0, vocab) that are not `ignore_index` give a NaN loss for their row rather than a
 device-side assert, so checking them never needs a host sync.
@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
-from fuselab.kernels._validate import check_float_tensor, needs_autograd
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
 
 try:  # Gluon (Triton's explicit dialect) is experimental: without it, the Triton kernels take every call.
-    from fuselab.kernels import _cross_entropy_hopper as hopper
+    from fuselab.kernels import cross_entropy_hopper as hopper
 except (ImportError, AttributeError):
     hopper = None
 

@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._partials import new_partials, sum_partials
-from fuselab.kernels._residual import load_input_row
-from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
-from fuselab.kernels._validate import (
+from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_grad
+from fuselab.kernels._common.partials import new_partials, sum_partials
+from fuselab.kernels._common.residual import load_input_row
+from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
+from fuselab.kernels._common.validate import (
     check_at_least_1d,
     check_eps,
     check_float_tensor,
@@ -141,7 +141,7 @@ def _layer_norm_backward_kernel(
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dz * x_hat
         db += dz
-    # fp32 partials, or the final sums in W's dtype when this is the only program (_partials.py).
+    # fp32 partials, or the final sums in W's dtype when this is the only program (_common/partials.py).
     partial_offs = pid.to(tl.int64) * n_cols + cols
     tl.store(DW_PARTIAL + partial_offs, dw.to(DW_PARTIAL.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:

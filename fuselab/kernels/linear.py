@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel

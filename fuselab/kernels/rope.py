@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import next_power_of_2, use_pdl
-from fuselab.kernels._validate import check_float_tensor, needs_autograd
-from fuselab.kernels.paged_attention import check_store_inputs
+from fuselab.kernels._common.launch import next_power_of_2, use_pdl
+from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
+from fuselab.kernels.attention.paged_attention import check_store_inputs
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which

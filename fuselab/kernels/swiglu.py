@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, row_and_columns, row_block_grid, use_pdl
-from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
+from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
+from fuselab.kernels._common.validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -6,7 +6,7 @@
 import triton
 import triton.language as tl
 
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels._common.validate import INTERPRETED
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
 

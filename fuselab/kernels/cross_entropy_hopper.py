@@ -38,8 +38,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fuselab.kernels._launch import cdiv
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels._common.launch import cdiv
+from fuselab.kernels._common.validate import INTERPRETED
 
 # Logits a chunk holds (16 KB of bf16), shared-memory slots (14 x 16 KB = 224 KB of the 227 KB an SM
 # has), slots whose chunk both walks use (the others stream the rest), streamed chunks the compute warps

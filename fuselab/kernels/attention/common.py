@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import next_power_of_2
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels._common.launch import next_power_of_2
+from fuselab.kernels._common.validate import INTERPRETED
 
 
 @triton.jit

@@ -35,8 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fuselab.kernels._flash_common import LOG2E
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels.attention.common import LOG2E
+from fuselab.kernels._common.validate import INTERPRETED
 
 # Query rows a program owns (two compute warpgroups of 64), keys a K/V block holds, ring stages: three
 # 128x128 K and V stages and q fill 224 KB of the 227 KB an SM has (two stages: 2017 against 1865 us).

@@ -11,7 +11,7 @@ kv head h // (heads / kv_heads)); nothing is repeated in memory. The same kernel
 variable-length batches (`flash_attention_varlen`): `cu_seqlens` gives each sequence's first row.
 
 On Hopper at head dim 128, padded calls whose lengths are whole 128-row blocks take a warp-specialized
-forward written in Gluon instead (`_flash_forward_hopper`); its log-sum-exp is this kernel's, so the
+forward written in Gluon instead (`flash_forward_hopper`); its log-sum-exp is this kernel's, so the
 backward is shared.
 """
 
@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fuselab.kernels._flash_backward import flash_backward
-from fuselab.kernels._flash_common import (
+from fuselab.kernels.attention.flash_backward import flash_backward
+from fuselab.kernels.attention.common import (
     LOG2E,
     SUPPORTED_HEAD_DIMS,
     dot_precision,
@@ -37,11 +37,11 @@ from fuselab.kernels._flash_common import (
     tile_dot,
     tma_forward_config,
 )
-from fuselab.kernels._launch import cdiv, resident_programs, sm_count
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor, needs_autograd
+from fuselab.kernels._common.launch import cdiv, resident_programs, sm_count
+from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, needs_autograd
 
 try:  # Gluon, Triton's explicit dialect: the Hopper forward. Older Tritons lack it, or parts of it.
-    from fuselab.kernels import _flash_forward_hopper as hopper
+    from fuselab.kernels.attention import flash_forward_hopper as hopper
 except (ImportError, AttributeError):
     hopper = None
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._flash_common import (
+from fuselab.kernels.attention.common import (
     LOG2E,
     backward_config,
     dot_precision,
@@ -23,7 +23,7 @@ from fuselab.kernels._flash_common import (
     sequence_span,
     tile_dot,
 )
-from fuselab.kernels._launch import cdiv
+from fuselab.kernels._common.launch import cdiv
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

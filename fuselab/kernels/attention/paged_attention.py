@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._flash_common import (
+from fuselab.kernels.attention.common import (
     LOG2E,
     SUPPORTED_HEAD_DIMS,
     dot_precision,
@@ -30,8 +30,8 @@ from fuselab.kernels._flash_common import (
     resolve_scale,
     tile_dot,
 )
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor, check_like
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, check_like
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count
 
 # Elements of one row that a program keeps in registers. Longer rows take the looped kernels, which
 # stream the row in blocks of this size. Each op module reads its own copy at call time, so tests
@@ -45,7 +45,7 @@ def row_config(n_cols: int, max_block: int) -> RowConfig:
 @functools.cache
 def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
     # As few programs as keep the GPU busy: each leaves one row of partial sums, which a second kernel
-    # adds up (_partials.py). Two an SM (more when each has under 8 warps), one once that would give
+    # adds up (_common/partials.py). Two an SM (more when each has under 8 warps), one once that would give
     # each more than 32 rows. At 16384 x 8192 bf16 the layer_norm backward and its partial sums took
     # 208 us with one program an SM, 213 with two, 224 with four; two an SM were the
     # fastest at 4096 x 4096 for layer_norm and rms_norm (with and without residual), by 2-5 us
