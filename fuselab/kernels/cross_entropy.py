@@ -32,12 +32,11 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._common.optional import optional_gluon
 from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
 
-try:  # Gluon (Triton's explicit dialect) is experimental: without it, the Triton kernels take every call.
-    from fuselab.kernels import cross_entropy_hopper as hopper
-except (ImportError, AttributeError):
-    hopper = None
+# The Hopper kernel, in Gluon; None on a Triton without it, where the Triton kernels take every call.
+hopper = optional_gluon("fuselab.kernels.cross_entropy_hopper")
 
 _REDUCTIONS = ("mean", "sum", "none")
 # The longest chunk of a row one step of the walk covers (tests lower it so the multi-chunk path runs

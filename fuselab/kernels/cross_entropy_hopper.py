@@ -309,8 +309,9 @@ def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, ro
 def _gluon_api_matches() -> bool:
     # Gluon is experimental: its warp_specialize took this form in Triton 3.6 and changes across releases,
     # and a slot is read back through the (private) reinterpretation of a shared-memory view.
-    return ("functions_and_args" in inspect.signature(gl.warp_specialize).parameters
-            and hasattr(gl.shared_memory_descriptor, "_reinterpret"))
+    warp_specialize = getattr(gl, "warp_specialize", None)
+    return (warp_specialize is not None and "functions_and_args" in inspect.signature(warp_specialize).parameters
+            and hasattr(getattr(gl, "shared_memory_descriptor", None), "_reinterpret"))
 
 
 _API_MATCHES = _gluon_api_matches()

@@ -24,6 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fuselab.kernels._common.launch import cdiv, resident_programs, sm_count
+from fuselab.kernels._common.optional import optional_gluon
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.attention.common import (
     LOG2E,
@@ -38,10 +39,8 @@ from fuselab.kernels.attention.common import (
     tma_forward_config,
 )
 
-try:  # Gluon, Triton's explicit dialect: the Hopper forward. Older Tritons lack it, or parts of it.
-    from fuselab.kernels.attention import flash_forward_hopper as hopper
-except (ImportError, AttributeError):
-    hopper = None
+# The Hopper forward, in Gluon; None on a Triton without it, where the kernels here take every call.
+hopper = optional_gluon("fuselab.kernels.attention.flash_forward_hopper")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -217,7 +217,8 @@ def _flash_forward_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, num_heads,
 
 def _gluon_api_matches() -> bool:
     # Gluon is experimental: its warp_specialize took this form in Triton 3.6 and changes across releases.
-    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+    warp_specialize = getattr(gl, "warp_specialize", None)
+    return warp_specialize is not None and "functions_and_args" in inspect.signature(warp_specialize).parameters
 
 
 _API_MATCHES = _gluon_api_matches()
