@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 import triton
@@ -46,8 +48,18 @@ def test_dependent_launches_is_scoped_and_cpu_never_uses_it():
         assert not use_pdl(cpu)
         with dependent_launches():
             pass
-        assert _launch._pdl_scope  # the inner block put back the outer one's state
-    assert not _launch._pdl_scope
+        assert _launch._pdl_scope.get()  # the inner block put back the outer one's state
+    assert not _launch._pdl_scope.get()
+
+
+def test_dependent_launches_hold_for_their_own_thread_only():
+    seen = []
+    with dependent_launches():
+        other = threading.Thread(target=lambda: seen.append(_launch._pdl_scope.get()))
+        other.start()
+        other.join()
+        assert _launch._pdl_scope.get()
+    assert seen == [False]
 
 
 def _decode_like_chain(x, residual, norm_weight, w_gate_up, w_down):

@@ -7,6 +7,7 @@ that needs several of them per call pays that at every decode step; these are pl
 """
 
 import contextlib
+import contextvars
 import functools
 import os
 from collections.abc import Iterator
@@ -23,7 +24,9 @@ from fuselab.device import triton_interpreted
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
 # (benchmarks/results/2026-11-30-h200/decode-levers-2). FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
-_pdl_scope = False
+# Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
+# thread's (and one asyncio task's), never another's.
+_pdl_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_dependent_launches", default=False)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -64,12 +67,11 @@ def dependent_launches() -> Iterator[None]:
     """Kernels launched in this block (on one thread) use programmatic dependent launch where the
     GPU has it. Only for work in which no kernel writes a weight that a later kernel reads (an
     inference step): a kernel reads its weights before it waits for the kernel before it."""
-    global _pdl_scope
-    outer, _pdl_scope = _pdl_scope, True
+    token = _pdl_scope.set(True)
     try:
         yield
     finally:
-        _pdl_scope = outer
+        _pdl_scope.reset(token)
 
 
 def pdl_allowed() -> bool:
@@ -79,7 +81,7 @@ def pdl_allowed() -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether a kernel launched now on `device` uses programmatic dependent launch."""
-    if not _pdl_scope or device.type != "cuda":
+    if not _pdl_scope.get() or device.type != "cuda":
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
