@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch
 
-# Triton decides between compiled and interpreted kernels when a kernel is defined, so the switch
-# has to be thrown before any `@triton.jit` runs. Without a CUDA GPU, compiled kernels cannot run
-# at all: fall back to the interpreter, which executes the same kernels on CPU tensors.
+# Triton reads TRITON_INTERPRET as each @triton.jit runs: without a CUDA GPU, choose its interpreter before any does.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
