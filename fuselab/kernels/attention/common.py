@@ -126,10 +126,8 @@ class BackwardConfig(NamedTuple):
     num_stages: int
 
 
-# Hopper (sm_90), keyed by the head dim rounded up to a power of two. Shared memory bounds them:
-# at d=128 a 128-row q tile plus three stages of 64-key K and V tiles is 128 KiB of 227.
-# d=64: 64-key steps over four stages, 22-25% faster than 128-key steps over three at seq 4096
-# (`fuselab bench attention --sweep`, benchmarks/results/2026-11-30-h200/attention-tma).
+# Hopper (sm_90), keyed by the head dim rounded up to a power of two, bounded by shared memory: chosen by
+# `fuselab bench attention --sweep` on an H200 (docs/tuning/flash_attention-constants.md).
 FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     16: ForwardConfig(128, 64, 4, 3),
     32: ForwardConfig(128, 64, 4, 3),
@@ -137,18 +135,15 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     128: ForwardConfig(128, 64, 8, 3),
     256: ForwardConfig(64, 64, 8, 2),
 }
-# The forward kernel whose tiles move through TMA descriptors, keyed by (padded head dim, causal),
-# where it beat the pointer kernel above (same sweep, seq 4096): d=128 causal 1252 -> 1208 us with
-# 64-row tiles, non-causal 2281 -> 2213 us with 128x128 tiles. It serves padded, contiguous inputs
-# with a power-of-two head dim; everything else (packed sequences, strided views) takes the pointer kernel.
+# The forward kernel whose tiles move through TMA descriptors, keyed by (padded head dim, causal), where
+# it beat the pointer kernel above in the same sweep. It serves padded, contiguous inputs with a
+# power-of-two head dim; everything else (packed sequences, strided views) takes the pointer kernel.
 TMA_FORWARD_CONFIGS: dict[tuple[int, bool], ForwardConfig] = {
     (128, True): ForwardConfig(64, 64, 4, 3),
     (128, False): ForwardConfig(128, 128, 8, 3),
 }
 # Causal attention over this many queries or more takes the non-causal tiles: most of a 128-row tile's key
-# blocks are then unmasked. d=128, four interleaved rounds against 64x64 tiles: seq 16384 4463 against
-# 4562 us (best), seq 8192 2364 against 2429 (median), seq 4096 1243 against 1238
-# (benchmarks/results/2026-11-30-h200/ce-lanes-flash-tail).
+# blocks are then unmasked, and the larger tiles were the faster from here on.
 LONG_CAUSAL_SEQ = 8192
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     16: BackwardConfig(32, 64, 64, 32, 4, 3),

@@ -167,9 +167,8 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# Hopper, keyed by the head dim rounded up to a power of two. At d=128, two warps over three stages
-# of 64-token K and V tiles (96 KiB of shared memory) beat four warps over two at batch 8 and 64
-# and at batch 1 from 4k tokens (benchmarks/results/2026-11-30-h200/decode-levers-2).
+# Hopper, keyed by the head dim rounded up to a power of two. At d=128, two warps over three stages of
+# 64-token K and V tiles were the faster on an H200 (docs/tuning/decode_attention-constants.md).
 DECODE_CONFIGS: dict[int, DecodeConfig] = {
     16: DecodeConfig(64, 4, 3),
     32: DecodeConfig(64, 4, 3),
