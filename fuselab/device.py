@@ -111,8 +111,7 @@ class Ceilings:
         return flops / (self.bf16_tflops * 1e6)
 
 
-# Stated figures for when nothing was measured on this machine: an H200 measured on 2026-11-30
-# (4.23 TB/s copy, ~780 TFLOP/s bf16 on random data).
+# Stated figures for when nothing was measured on this machine: an H200's (docs/tuning/device-constants.md).
 STATED_CEILINGS = Ceilings(copy_bandwidth_gbs=4230.0, bf16_tflops=780.0, source="stated (H200 figures)")
 
 

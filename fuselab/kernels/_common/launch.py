@@ -22,7 +22,7 @@ from fuselab.device import triton_interpreted
 # while the kernel before it drains its last wave; it loads what no kernel of the step writes (the
 # weights), then waits (gdc_wait) before it reads that kernel's output or writes anything. In a
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
-# (benchmarks/results/2026-11-30-h200/decode-levers-2). FUSELAB_PDL=0 turns it off.
+# (docs/tuning/common-constants.md). FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
 # Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
 # thread's (and one asyncio task's), never another's.
@@ -49,9 +49,8 @@ def row_block_grid(n_rows: int, n_cols: int, max_block: int) -> tuple[tuple[int]
 @triton.jit
 def row_and_columns(n_cols, BLOCK: tl.constexpr):
     """(row, its columns) of this program on a `row_block_grid`: a row's blocks, then the next row's.
-    Programs that run together read neighbouring memory: at 16384 x 28672 bf16, silu_and_mul went from
-    340.8 to 325.8 us (97% -> 102% of copy) against a (rows, column blocks) grid, which reads every
-    row's first block before any second one (benchmarks/results/2026-11-30-h200/swiglu-flat)."""
+    Programs that run together read neighbouring memory, which a (rows, column blocks) grid, reading
+    every row's first block before any second one, does not (docs/tuning/common-constants.md)."""
     pid = tl.program_id(0)
     blocks = tl.cdiv(n_cols, BLOCK)
     return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
