@@ -1,6 +1,6 @@
-"""What the FlashAttention forward and backward share: tile loads, launch configs, and how a
-sequence's rows are addressed in the padded [batch, heads, seq, head_dim] and packed
-[tokens, heads, head_dim] layouts.
+"""What the attention kernels share: tile loads and dots, the softmax scale, the head dims they
+take, FlashAttention's launch configs, and how a sequence's rows are addressed in the padded
+[batch, heads, seq, head_dim] and packed [tokens, heads, head_dim] layouts.
 """
 
 from __future__ import annotations
