@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv
-from fuselab.kernels._validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE
+from fuselab.kernels._common.launch import cdiv
+from fuselab.kernels._common.validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE
 
 # Elements one program updates, and its warps: many small programs keep more loads in flight per SM
 # (`scripts/tune-kernels --only adamw` sweeps the choice).

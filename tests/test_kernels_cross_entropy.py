@@ -185,7 +185,7 @@ def test_programs_walking_several_rows_match_reference(device, monkeypatch, redu
     gradient's count of valid rows in several steps too."""
     lower_block_cap(monkeypatch, "cross_entropy", 32)
     monkeypatch.setattr(kernel_module("cross_entropy"), "_COUNT_BLOCK", 4)
-    rows = 2 * kernel_module("_launch").sm_count(device) + 3
+    rows = 2 * kernel_module("_common.launch").sm_count(device) + 3
     logits, target = _inputs(rows, 301, torch.float32, device, seed=8, ignored=[0, 5, rows - 1])
     kw = dict(reduction=reduction, label_smoothing=0.1)
     shape = (rows,) if reduction == "none" else ()

@@ -6,15 +6,13 @@ import torch
 from kernel_checks import assert_close, kernel_module, leaf
 
 from fuselab.kernels import flash_attention, flash_attention_varlen, reference
-from fuselab.kernels._flash_common import INTERPRETER_FORWARD
+from fuselab.kernels.attention.common import INTERPRETER_FORWARD
 
 # On the CPU the interpreter runs 32-row query blocks against 16-key blocks, so these lengths cross
 # block edges, the causal diagonal spanning two key blocks, and a partial last block.
 SEQ_LENS = (1, 7, 129)
 
-# Triton's interpreter multiplies bfloat16 tl.dot operands as their raw 16-bit patterns, so bf16
-# runs on the GPU only; fp16 takes the same kernel path on the CPU.
-HALF_DTYPES = (torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu))
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _randn(shape, dtype, device, seed):
@@ -59,7 +57,7 @@ def test_forward_matches_reference(device, causal, seq):
 @pytest.mark.parametrize("seq,group", [(1, 1), (7, 4), (129, 2)])
 def test_forward_through_tma_descriptors_matches_reference(device, monkeypatch, causal, seq, group):
     """The TMA kernel: tails past the sequence arrive as zeros and are masked; GQA heads find their kv head."""
-    module = kernel_module("flash_attention")
+    module = kernel_module("attention.flash_forward")
     cfg = module.forward_config(32)
     if device.type == "cuda":
         cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
@@ -76,7 +74,7 @@ def test_forward_through_tma_descriptors_matches_reference(device, monkeypatch, 
 
 
 def test_long_causal_sequences_take_the_non_causal_tiles(monkeypatch):
-    common = importlib.import_module("fuselab.kernels._flash_common")
+    common = importlib.import_module("fuselab.kernels.attention.common")
     monkeypatch.setattr(common, "INTERPRETED", False)
     short, long = common.LONG_CAUSAL_SEQ - 1, common.LONG_CAUSAL_SEQ
     assert common.tma_forward_config(128, True, short) == common.TMA_FORWARD_CONFIGS[(128, True)]
@@ -86,7 +84,7 @@ def test_long_causal_sequences_take_the_non_causal_tiles(monkeypatch):
 
 
 def test_tma_path_is_skipped_for_layouts_it_cannot_describe(device, monkeypatch):
-    module = kernel_module("flash_attention")
+    module = kernel_module("attention.flash_forward")
     monkeypatch.setattr(module, "tma_forward_config", lambda head_dim, causal, seq_q: module.forward_config(head_dim))
     monkeypatch.setattr(module, "_flash_forward_tma_kernel", None)  # would fail if used
     cases = [
@@ -108,7 +106,7 @@ def test_tma_path_is_skipped_for_layouts_it_cannot_describe(device, monkeypatch)
 
 
 def test_tail_split_fills_the_last_wave_with_parts_of_its_tiles():
-    tail_split = kernel_module("flash_attention").tail_split
+    tail_split = kernel_module("attention.flash_forward").tail_split
     # 32k tokens x 16 heads in 128-row tiles on 132 SMs: 4 tiles past 31 waves, cut into 32 parts each.
     assert tail_split(4096, 132, 32) == (4092, 32, 1)
     assert tail_split(4096, 132, 128) == (4092, 32, 4)
@@ -133,7 +131,7 @@ def _split_forward_spy(monkeypatch, module, slots):
 @pytest.mark.parametrize("group", [1, 3])
 def test_split_last_wave_matches_reference(device, monkeypatch, slots, group):
     """100 keys are 6 whole 16-key blocks and a partial one: parts of 1 and 4 blocks, the tail in the last."""
-    module = kernel_module("flash_attention")
+    module = kernel_module("attention.flash_forward")
     merges = _split_forward_spy(monkeypatch, module, slots)
     inputs = _qkv(1, 3, 3 // group, 100, 16, torch.float32, device)
     if device.type == "cuda":  # the interpreter's tiles, so that 4 query blocks x 3 heads are 12 tiles there too
@@ -148,7 +146,7 @@ def test_split_last_wave_matches_reference(device, monkeypatch, slots, group):
 
 
 def test_split_last_wave_through_tma_descriptors(device, monkeypatch):
-    module = kernel_module("flash_attention")
+    module = kernel_module("attention.flash_forward")
     cfg = module.forward_config(32)
     if device.type == "cuda":
         cfg = cfg._replace(block_m=64, block_n=32, num_warps=4, num_stages=2)
@@ -162,7 +160,7 @@ def test_split_last_wave_through_tma_descriptors(device, monkeypatch):
 
 
 def test_causal_packed_and_shared_sm_tiles_are_not_split(device, monkeypatch):
-    module = kernel_module("flash_attention")
+    module = kernel_module("attention.flash_forward")
     merges = _split_forward_spy(monkeypatch, module, 11)
     flash_attention(*_qkv(1, 3, 3, 100, 16, torch.float32, device), causal=True)
     q, k, v, cu = _packed([100, 100, 100], 1, 1, 16, device)
@@ -334,7 +332,7 @@ def test_bad_varlen_inputs_raise_naming_the_argument(device):
 # The Hopper forward (Gluon)
 # --------------------------------------------------------------------------------------------
 
-hopper = kernel_module("flash_attention").hopper
+hopper = kernel_module("attention.flash_forward").hopper
 needs_hopper_module = pytest.mark.skipif(hopper is None, reason="this Triton has no Gluon")
 
 
@@ -435,7 +433,7 @@ def test_gpu_varlen_forward_backward():
 def test_gpu_last_wave_split_at_real_size(monkeypatch):
     """One more 128-row tile than the SMs hold at d=128 (one program an SM: three stages of 128x128 K and V
     tiles fill the shared memory): the last wave's tiles are split, and the result still matches."""
-    module = kernel_module("flash_attention")
+    module = kernel_module("attention.flash_forward")
     merges, merge = [], module._merge_parts_kernel
     monkeypatch.setattr(module, "_merge_parts_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: (merges.append(grid), merge[grid])[1]})())

@@ -1,9 +1,12 @@
+import threading
+
 import pytest
 import torch
 import triton
 
-from fuselab.kernels import _launch, argmax, linear, rms_norm, swiglu
-from fuselab.kernels._launch import cdiv, dependent_launches, next_power_of_2, use_pdl
+from fuselab.kernels import argmax, linear, rms_norm, swiglu
+from fuselab.kernels._common import launch as _launch
+from fuselab.kernels._common.launch import cdiv, dependent_launches, next_power_of_2, use_pdl
 
 
 def test_host_helpers_agree_with_tritons():
@@ -45,8 +48,18 @@ def test_dependent_launches_is_scoped_and_cpu_never_uses_it():
         assert not use_pdl(cpu)
         with dependent_launches():
             pass
-        assert _launch._pdl_scope  # the inner block put back the outer one's state
-    assert not _launch._pdl_scope
+        assert _launch._pdl_scope.get()  # the inner block put back the outer one's state
+    assert not _launch._pdl_scope.get()
+
+
+def test_dependent_launches_hold_for_their_own_thread_only():
+    seen = []
+    with dependent_launches():
+        other = threading.Thread(target=lambda: seen.append(_launch._pdl_scope.get()))
+        other.start()
+        other.join()
+        assert _launch._pdl_scope.get()
+    assert seen == [False]
 
 
 def _decode_like_chain(x, residual, norm_weight, w_gate_up, w_down):
@@ -82,7 +95,7 @@ def test_dependent_launches_give_the_same_results_in_a_cuda_graph():
 
 def test_backward_row_groups_leave_few_partial_rows():
     """One or two programs an SM (as measured fastest with their partial sums), every row covered once."""
-    from fuselab.kernels._row_config import _row_groups
+    from fuselab.kernels._common.row_config import _row_groups
 
     assert _row_groups(16384, 8, 132) == (132, 125)  # two an SM would give each 62 rows: one an SM
     assert _row_groups(4096, 8, 132) == (256, 16)  # two an SM: 16 rows each

@@ -4,7 +4,7 @@ from kernel_checks import assert_close, kernel_module
 
 from fuselab.kernels import decode_attention, reference, store_kv
 
-paged = kernel_module("paged_attention")
+paged = kernel_module("attention.paged_attention")
 
 
 def _randn(shape, dtype, device, seed):

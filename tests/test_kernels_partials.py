@@ -5,7 +5,7 @@ import torch
 from kernel_checks import DTYPES, assert_close, kernel_module, leaf
 
 from fuselab.kernels import bias_act, layer_norm, reference, rms_norm
-from fuselab.kernels._partials import new_partials, sum_partials
+from fuselab.kernels._common.partials import new_partials, sum_partials
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

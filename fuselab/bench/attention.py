@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from fuselab.bench import command_line, error_text, int_list, markdown_table, output_dir, write_json
 from fuselab.device import ceilings, device_info, has_cuda
-from fuselab.kernels._launch import dependent_launches, pdl_allowed
+from fuselab.kernels._common.launch import dependent_launches, pdl_allowed
 from fuselab.timing import bench
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -218,14 +218,14 @@ def measure_decode(args: argparse.Namespace, timing: dict, copy_gbs: float) -> l
 
 
 def forward_candidates() -> list:
-    from fuselab.kernels._flash_common import ForwardConfig
+    from fuselab.kernels.attention.common import ForwardConfig
 
     return [ForwardConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
             if m % n == 0]
 
 
 def tma_forward_candidates() -> list:
-    from fuselab.kernels._flash_common import ForwardConfig
+    from fuselab.kernels.attention.common import ForwardConfig
 
     return [ForwardConfig(m, n, w, s) for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3),
                                                          (128, 128, 8, 2), (64, 64, 4, 3), (64, 64, 4, 4),
@@ -233,7 +233,7 @@ def tma_forward_candidates() -> list:
 
 
 def decode_candidates() -> list:
-    from fuselab.kernels.paged_attention import DecodeConfig
+    from fuselab.kernels.attention.paged_attention import DecodeConfig
 
     return [DecodeConfig(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
 
@@ -265,7 +265,7 @@ SPLIT_SWEEP_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 
 def _time_split_counts(workloads: list[dict], timing: dict) -> list[dict]:
     """Decode timed at each split count, for each pipeline depth of the current config, fastest first."""
-    from fuselab.kernels import paged_attention
+    from fuselab.kernels.attention import paged_attention
 
     head_dim = workloads[0]["q"].shape[-1]
     original, timed = paged_attention.DECODE_CONFIGS[head_dim], []
@@ -284,7 +284,8 @@ def _time_split_counts(workloads: list[dict], timing: dict) -> list[dict]:
 
 
 def sweep_configs(args: argparse.Namespace, timing: dict) -> list[dict]:
-    from fuselab.kernels import _flash_common, decode_attention, flash_attention, paged_attention
+    from fuselab.kernels import decode_attention, flash_attention
+    from fuselab.kernels.attention import common as _flash_common, paged_attention
 
     dtype, seq, out = DTYPES[args.dtype], 4096, []
     for head_dim in args.head_dims if args.only != "decode" else ():

@@ -1,24 +1,27 @@
-"""Fused Triton kernels, one file per op (Triton kernel -> host launcher -> autograd.Function).
+"""Fused Triton kernels, one file per op: Triton kernel(s) -> host launcher -> autograd.Function.
 
-Torch references for every op live in `fuselab.kernels.reference`.
+An op's hardware-specific path sits beside it (`cross_entropy_hopper`); `attention/` holds
+FlashAttention and decode attention over a paged KV cache, with what they share; `_common/` holds what
+several ops share (launch helpers, row configs, input checks). `reference` has a torch reference for
+every op.
 """
 
 from fuselab import device as _device  # noqa: F401  (selects compiled or interpreted Triton first)
 
-from fuselab.kernels._flash_common import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
-from fuselab.kernels._launch import dependent_launches
+from fuselab.kernels._common.launch import dependent_launches
 from fuselab.kernels.add import add
 from fuselab.kernels.argmax import argmax
+from fuselab.kernels.attention.common import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
+from fuselab.kernels.attention.flash_attention import flash_attention, flash_attention_varlen
+from fuselab.kernels.attention.paged_attention import decode_attention, store_kv
 from fuselab.kernels.bias_act import bias_act
+from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.linear import linear
 from fuselab.kernels.rms_norm import rms_norm
+from fuselab.kernels.rope import apply_rope, rope_and_store_kv, rope_cos_sin
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
-from fuselab.kernels.cross_entropy import cross_entropy
-from fuselab.kernels.rope import apply_rope, rope_and_store_kv, rope_cos_sin
-from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
-from fuselab.kernels.paged_attention import decode_attention, store_kv
 
 __all__ = [
     "ATTENTION_HEAD_DIMS",

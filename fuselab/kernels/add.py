@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv
-from fuselab.kernels._validate import check_float_tensor, check_like, contiguous, needs_autograd
+from fuselab.kernels._common.launch import cdiv
+from fuselab.kernels._common.validate import check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel

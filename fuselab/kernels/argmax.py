@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, use_pdl
-from fuselab.kernels._validate import check_float_tensor
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, use_pdl
+from fuselab.kernels._common.validate import check_float_tensor
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, sm_count
-from fuselab.kernels._partials import new_partials, sum_partials
-from fuselab.kernels._validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
+from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_grad
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, sm_count
+from fuselab.kernels._common.partials import new_partials, sum_partials
+from fuselab.kernels._common.validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -55,7 +55,7 @@ def _bias_act_backward_kernel(
         dx = dy * activate_grad(z, ACTIVATION)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=col_ok)
         dbias += tl.where(col_ok, dx, 0.0)
-    # fp32 partials, or the final dbias in its own dtype when there is one band (_partials.py).
+    # fp32 partials, or the final dbias in its own dtype when there is one band (_common/partials.py).
     tl.store(DBIAS_PARTIAL + band.to(tl.int64) * n_cols + cols, dbias.to(DBIAS_PARTIAL.dtype.element_ty), mask=col_ok)
 
 
@@ -63,22 +63,14 @@ def _bias_act_backward_kernel(
 # Host launchers
 # --------------------------------------------------------------------------------------------
 
-# 4096 columns per program with 4 warps, four 16-byte loads per thread for 16-bit dtypes: at 16384 x
-# 8192 bf16, 73% of the copy bandwidth under the exact GELU (bound by its arithmetic) and 96% under
-# relu; 1024 columns: 62% and 99% (scripts/tune-kernels --only bias_act, benchmarks/results/2026-11-30-h200/bias-act-grid).
-# The GELU since takes 26 instructions an element instead of 38 (_activations.py): 93%
-# (benchmarks/results/2026-11-30-h200/gelu-partials-ce-split/final-bias-act).
+# 4096 columns per program with 4 warps, four 16-byte loads per thread for 16-bit dtypes: the exact GELU
+# is bound by its arithmetic, and wide programs keep it near the copy bandwidth (docs/tuning/bias_act-constants.md).
 _MAX_BLOCK = 4096
 _MIN_BLOCK = 512
 _NUM_WARPS = 4
-# The backward: 2048 columns by bands of rows over 4 warps, each band leaving one row of fp32 dbias
-# partials (shorter bands when there are too few rows to fill the GPU). 16384 x 8192 bf16, exact GELU,
-# with 16-row bands: 275 us with the partials' sum, against 346 us at 4096 x 32 and 334 us for the
-# kernel before it, which summed dbias by reading dx again (scripts/tune-kernels --only bias_act,
-# benchmarks/results/2026-11-30-h200/bias-act-grid). A 3-stage loop: 237 us against 258 unstaged,
-# 267 with 2 stages and 260 with 4 (benchmarks/results/2026-11-30-h200/norm-backward-stages).
-# 128-row bands: backward and partial sum 207 us (3 of them the sum), against 225 us (18) with
-# 16-row bands, the same at 4096 rows (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
+# The backward: 2048 columns by bands of rows over 4 warps in a 3-stage loop, each band leaving one row of
+# fp32 dbias partials (shorter bands when there are too few rows to fill the GPU), rather than summing
+# dbias by reading dx again. Chosen by sweeps on an H200 (docs/tuning/bias_act-constants.md).
 _BACKWARD_BLOCK = 2048
 _BACKWARD_ROWS = 4 if INTERPRETED else 128
 _BACKWARD_STAGES = 3

@@ -17,7 +17,7 @@ leaves the buffer untouched, so backward costs one near-empty launch and no host
 buffer is consumed, backward can run only once per forward. Without a gradient (inference,
 `torch.no_grad()`, logits that do not require grad) the forward pass only reads the logits.
 On a Hopper GPU, many rows of contiguous bf16/fp16 logits with a gradient go to a Gluon kernel
-instead (`_cross_entropy_hopper`), which keeps most of each row in shared memory for both walks.
+instead (`cross_entropy_hopper`), which keeps most of each row in shared memory for both walks.
 
 Targets outside [0, vocab) that are not `ignore_index` give a NaN loss for their row rather than a
 device-side assert, so checking them never needs a host sync.
@@ -31,26 +31,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
-from fuselab.kernels._validate import check_float_tensor, needs_autograd
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._common.optional import optional_gluon
+from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
 
-try:  # Gluon (Triton's explicit dialect) is experimental: without it, the Triton kernels take every call.
-    from fuselab.kernels import _cross_entropy_hopper as hopper
-except (ImportError, AttributeError):
-    hopper = None
+# The Hopper kernel, in Gluon; None on a Triton without it, where the Triton kernels take every call.
+hopper = optional_gluon("fuselab.kernels.cross_entropy_hopper")
 
 _REDUCTIONS = ("mean", "sum", "none")
 # The longest chunk of a row one step of the walk covers (tests lower it so the multi-chunk path runs
-# at small vocabularies). Measured at 8192 x 128256 bf16 (scripts/tune-kernels --only cross_entropy,
-# benchmarks/results/2026-11-30-h200/kernels-tuned): the loss alone, one read of each row, is fastest
-# with 8192-logit chunks over 4 warps (97% of the copy bandwidth; 32768 over 32 warps reached 63%:
-# with two such programs an SM, the block-wide reductions of each chunk leave its loads idle), one
-# program a row. Loss and gradient walk each row twice: the second walk finds part of the row in L2
-# only if few rows are walked at once, so the gradient's kernel runs one program an SM, each taking
-# rows in turn, in chunks four times as long over 32 warps, its log-sum-exp reduced per lane
-# (_lse_lanes): 1320 us at 8192 x 128256 bf16 and 171 us at 1024 rows, where two programs an SM
-# in 16384-logit chunks over 16 warps with block-wide reductions took 1403 and 188 us
-# (benchmarks/results/2026-11-30-h200/ce-lanes-flash-tail).
+# at small vocabularies): the loss alone, one program a row over 4 warps. With the gradient, a row's
+# second walk finds it in L2 only if few rows are walked at once: one program an SM takes rows in turn,
+# in chunks four times as long over 32 warps. Chosen by sweeps on an H200 (docs/tuning/cross_entropy-constants.md).
 MAX_FUSED_BLOCK = 8192
 _GRAD_PROGRAMS_PER_SM = 1
 # Neighbouring logits one running (max, sum) of _lse_lanes covers: one 16-byte load of bf16.
@@ -59,8 +51,8 @@ _LANE = 8
 # (then merged: _split_finish_kernel), in chunks of SPLIT_CHUNK over _SPLIT_WARPS warps.
 SPLIT_CHUNK = 1024
 _SPLIT_WARPS = 4
-# Row losses one step of _reduce_loss_kernel adds: up to 1024, or 4096 over 8 warps for more rows (at
-# 8192 rows, 1024 a step took 11.3 us, its loads one after another).
+# Row losses one step of _reduce_loss_kernel adds: up to 1024, or 4096 over 8 warps for more rows, whose
+# steps would otherwise wait on their loads one after another.
 _REDUCE_BLOCK = 1024
 _REDUCE_BLOCK_MANY = 4096
 # _scale_rows_kernel: rows in turn over two programs an SM, 2 * MAX_FUSED_BLOCK columns a step over 16 warps.
@@ -72,10 +64,8 @@ _COUNT_BLOCK = 4096
 
 @triton.jit
 def _exp(x):
-    # exp by the one special-function instruction; `tl.exp` adds four for the denormal range. At 2
-    # programs of 16 warps an SM that showed: the forward with its gradient took 1587 us at 8192 x
-    # 128256 bf16 with `tl.exp`, 1420 us of kernels with this (benchmarks/results/2026-11-30-h200/
-    # ce-l2-norm-programs).
+    # exp by the one special-function instruction; `tl.exp` adds four for the denormal range, which
+    # showed in the walks' time (docs/tuning/cross_entropy-constants.md).
     return tl.math.exp2(x * 1.4426950408889634)
 
 
@@ -153,9 +143,7 @@ def _write_grad(
 
     Walks the chunks last to first: the log-sum-exp's walk read the last ones most recently, so they are
     the likeliest still in L2. Its reads are the lines' last use and its stores are not read again
-    here, so both are marked to leave L2 first. At 8192 x 128256 bf16, in the grid of
-    _cross_entropy_kernel's gradient, the two walks took 1579 us in plain order without hints, 1402 us
-    like this (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs)."""
+    here, so both are marked to leave L2 first (docs/tuning/cross_entropy-constants.md)."""
     cols = tl.arange(0, CHUNK)
     n_chunks = tl.cdiv(hi - lo, CHUNK)
     for i in range(0, n_chunks):
@@ -329,7 +317,7 @@ def _reduce_loss_kernel(
 def _scale_rows_kernel(grad_ptr, grad_row_stride, factor_ptr, factor_stride, n_rows, n_cols, CHUNK: tl.constexpr):
     # Rows in turn over a grid of a few programs an SM: in the common case, d(loss)/d(loss) = 1, each
     # row costs one load of the factor (skipped on the device instead of asking the host), and one
-    # program a row spent 6.8 us of launching and exiting at 8192 rows.
+    # program a row would cost more in launching and exiting than that.
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)
         factor = tl.load(factor_ptr + row * factor_stride).to(tl.float32)
@@ -359,9 +347,8 @@ def _vocab_splits(n_rows: int, n_vocab: int, split_chunk: int, sms: int, whole_f
 
 def _whole_rows_from(sms: int, write_grad: bool) -> int:
     """Rows from which each row is walked whole by one program (`_cross_entropy_kernel`) rather than
-    split: 8 programs an SM for the loss alone; for loss and gradient, half as many rows as SMs. At
-    128256 logits, loss and gradient took 31.8 us at 131 rows walked whole against 41.3 split, 24.0
-    against 25.9 at 64 rows, 23.7 against 22.8 at 48 (benchmarks/results/2026-11-30-h200/ce-coop)."""
+    split: 8 programs an SM for the loss alone; for loss and gradient, half as many rows as SMs, where
+    the two crossed on an H200 (docs/tuning/cross_entropy-constants.md)."""
     return cdiv(sms, 2) if write_grad else 8 * sms
 
 

@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._partials import new_partials, sum_partials
-from fuselab.kernels._residual import load_input_row
-from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
-from fuselab.kernels._validate import (
+from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_grad
+from fuselab.kernels._common.partials import new_partials, sum_partials
+from fuselab.kernels._common.residual import load_input_row
+from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
+from fuselab.kernels._common.validate import (
     check_at_least_1d,
     check_eps,
     check_float_tensor,
@@ -141,7 +141,7 @@ def _layer_norm_backward_kernel(
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dz * x_hat
         db += dz
-    # fp32 partials, or the final sums in W's dtype when this is the only program (_partials.py).
+    # fp32 partials, or the final sums in W's dtype when this is the only program (_common/partials.py).
     partial_offs = pid.to(tl.int64) * n_cols + cols
     tl.store(DW_PARTIAL + partial_offs, dw.to(DW_PARTIAL.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
@@ -223,9 +223,7 @@ def layer_norm_forward(
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _layer_norm_forward_looped_kernel if config.looped else _layer_norm_forward_kernel
     # Two block-wide reductions a row (mean, then variance) cost less over fewer warps: from 8192
-    # elements a block, 64 a thread. At 16384 x 8192 bf16, 4 warps ran at 93.5% of the copy
-    # bandwidth, 16 (the row ops' default) at 85% (scripts/tune-kernels --only layer_norm,
-    # benchmarks/results/2026-11-30-h200/kernels-tuned).
+    # elements a block, 64 a thread (docs/tuning/layer_norm-constants.md).
     num_warps = config.num_warps if config.block < 8192 else config.block // 2048
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
     kernel[(n_rows,)](
@@ -254,9 +252,8 @@ def layer_norm_backward(
         return dx, torch.zeros_like(weight), None if bias is None else torch.zeros_like(bias)
     n_rows = x.numel() // n_cols
     config = row_config(n_cols, MAX_FUSED_BLOCK)
-    # 8 warps, not 16, for 8192-wide blocks (32 elements a thread): at 16384 x 8192 bf16 the kernel
-    # took 284.7 us against 320.8 (319.8 in an earlier sweep) with 16; other widths are unmeasured
-    # (scripts/tune-kernels --only layer_norm; benchmarks/results/2026-11-30-h200/kernels-tuned, tune.json).
+    # 8 warps, not 16, for 8192-wide blocks (32 elements a thread): the faster on an H200; other widths
+    # are unmeasured (docs/tuning/layer_norm-constants.md).
     num_warps = 8 if config.block == 8192 else config.num_warps
     n_programs, rows_per_program = row_groups(n_rows, num_warps, x.device)
     # dweight's partials, then dbias's if any: one buffer, so one launch adds both up, in their dtype

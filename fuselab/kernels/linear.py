@@ -3,11 +3,9 @@
 At batch 1 a projection is a matrix-vector product whose cost is one read of W. cuBLAS's batch-1
 kernels give each program 64 or more rows of W, so a matrix with fewer than ~64 × (SM count)
 rows, such as a decode step's q/k/v, output and down projections, runs on a fraction of the SMs
-and reads W at 1.5-3 TB/s. `_gemv_kernel` gives each program one to four rows, so even a
-2048-row matrix spreads over 1024 programs. Measured in a CUDA graph on an H200, launched as in the
-engine's decode step (scripts/tune-decode-step --gemv-only --pdl,
-benchmarks/results/2026-11-30-h200/decode-levers-2): Llama 3 8B q/k/v 12.7 µs vs cuBLAS 15.5, output
-8.9 vs 13.2, down 28.2 vs 32.0; the gate/up projections, which fill the GPU anyway, stay on cuBLAS.
+and reads W well below the copy bandwidth. `_gemv_kernel` gives each program one to four rows, so even
+a 2048-row matrix spreads over 1024 programs, and was faster than cuBLAS for such projections in a decode
+step (docs/tuning/linear-constants.md); the gate/up projections, which fill the GPU anyway, stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -84,7 +82,7 @@ def gemv_blocks(k: int) -> tuple[int, int]:
     """(rows of W a program takes, columns a step). A program reads its first step of W before it
     waits for x (the kernel before may still be writing it), so a row of up to 4096 is read in one
     step, whole: one row of 4096 or two of <= 2048. Longer rows step 2048 columns over 4 rows.
-    Within 0.1 µs of the fastest of up to 20 configs for each Llama 3 1B and 8B projection (decode-levers-2)."""
+    Chosen by a sweep over Llama 3 1B and 8B projections (docs/tuning/linear-constants.md)."""
     if k > 4096:
         return 4, 2048
     block_k = next_power_of_2(k)

@@ -11,11 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import use_pdl
-from fuselab.kernels._partials import new_partials, sum_partials
-from fuselab.kernels._residual import load_input_row
-from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
-from fuselab.kernels._validate import (
+from fuselab.kernels._common.launch import use_pdl
+from fuselab.kernels._common.partials import new_partials, sum_partials
+from fuselab.kernels._common.residual import load_input_row
+from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
+from fuselab.kernels._common.validate import (
     check_at_least_1d,
     check_eps,
     check_float_tensor,
@@ -107,7 +107,7 @@ def _rms_norm_backward_kernel(
             dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * x_hat
-    # fp32 partials, or the final dweight in W's dtype when this is the only program (_partials.py).
+    # fp32 partials, or the final dweight in W's dtype when this is the only program (_common/partials.py).
     tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw.to(DW_PARTIAL.dtype.element_ty), mask=col_mask)
 
 

@@ -25,17 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import next_power_of_2, use_pdl
-from fuselab.kernels._validate import check_float_tensor, needs_autograd
-from fuselab.kernels.paged_attention import check_store_inputs
+from fuselab.kernels._common.launch import next_power_of_2, use_pdl
+from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
+from fuselab.kernels.attention.paged_attention import check_store_inputs
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
 # bounds registers for models with many heads while covering typical q heads in one step. From
 # _MANY_TOKENS tokens on, q and k take smaller tiles, which leave each program fewer registers and
-# more programs resident: 32 q + 8 k heads of 128, bf16, 16384 tokens 96.9 -> 88.4 us (84% -> 92% of
-# copy), 4096 tokens 29.9 -> 27.5 us; at 1024 tokens the wide tile was as fast or faster
-# (benchmarks/results/2026-11-30-h200/norm-backward-stages).
+# more programs resident; below, the wide tile was as fast or faster (docs/tuning/rope-constants.md).
 _TILE_ELEMENTS = 2048
 _MANY_TOKENS = 2048
 _MANY_TOKENS_TILE_ELEMENTS = 512

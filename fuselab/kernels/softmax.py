@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._row_config import MAX_FUSED_BLOCK, row_config
-from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, contiguous, needs_autograd
+from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config
+from fuselab.kernels._common.validate import check_at_least_1d, check_float_tensor, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv, row_and_columns, row_block_grid, use_pdl
-from fuselab.kernels._validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
+from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
+from fuselab.kernels._common.validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -81,9 +81,7 @@ def _swiglu_flat_backward_kernel(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 # Separate contiguous gate and up are one flat array: 2048 elements a program, programs in memory
-# order, int32 offsets. 16384 x 14336 bf16: 326 us (102% of copy) against 339 us (98%) for the
-# (rows, column blocks) grid of 4096-column programs; 4096 x 14336: 86.6 vs 89.9 us
-# (scripts/tune-kernels --only swiglu_flat, benchmarks/results/2026-11-30-h200/swiglu-flat).
+# order, int32 offsets, faster than a (rows, column blocks) grid (docs/tuning/swiglu-constants.md).
 # [gate | up] halves of one tensor (silu_and_mul) take the same 2048-element programs, numbered in
 # memory order, each within one row.
 _FLAT_BLOCK = 2048

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count
 
 # Elements of one row that a program keeps in registers. Longer rows take the looped kernels, which
 # stream the row in blocks of this size. Each op module reads its own copy at call time, so tests
@@ -45,11 +45,8 @@ def row_config(n_cols: int, max_block: int) -> RowConfig:
 @functools.cache
 def _row_groups(n_rows: int, num_warps: int, sm_count: int) -> tuple[int, int]:
     # As few programs as keep the GPU busy: each leaves one row of partial sums, which a second kernel
-    # adds up (_partials.py). Two an SM (more when each has under 8 warps), one once that would give
-    # each more than 32 rows. At 16384 x 8192 bf16 the layer_norm backward and its partial sums took
-    # 208 us with one program an SM, 213 with two, 224 with four; two an SM were the
-    # fastest at 4096 x 4096 for layer_norm and rms_norm (with and without residual), by 2-5 us
-    # (benchmarks/results/2026-11-30-h200/ce-l2-norm-programs).
+    # adds up (_common/partials.py). Two an SM (more when each has under 8 warps), one once that would give
+    # each more than 32 rows: the fastest in sweeps on an H200 (docs/tuning/common-constants.md).
     per_sm = max(2, 16 // num_warps)
     while per_sm > 1 and cdiv(n_rows, per_sm * sm_count) > 32:
         per_sm //= 2
@@ -63,9 +60,8 @@ def row_groups(n_rows: int, num_warps: int, device: torch.device) -> tuple[int, 
 
 
 # Rows a backward's loop keeps in flight. Its program walks its rows one after another and a row's dx
-# needs the whole row's sum, so without pipelining each row's loads wait for the last row's stores:
-# at 16384 x 8192 bf16 the rms_norm backward ran at 74% of copy with 1 stage, 70% with 2 and 92% with
-# 3, whatever the warps (benchmarks/results/2026-11-30-h200/norm-backward-stages).
+# needs the whole row's sum, so without pipelining each row's loads wait for the last row's stores; three
+# stages were needed, whatever the warps (docs/tuning/common-constants.md).
 ROW_LOOP_STAGES = 3
 
 

@@ -22,15 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._flash_common import (
+from fuselab.kernels.attention.common import (
     LOG2E,
     SUPPORTED_HEAD_DIMS,
     dot_precision,
     padded_head_dim,
     resolve_scale,
+    tile_dot,
 )
-from fuselab.kernels._launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._validate import INTERPRETED, check_float_tensor, check_like
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, check_like
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -101,7 +102,7 @@ def _decode_split_kernel(
         in_page = tokens % PAGE_SIZE
         kT = tl.load(K_head + (pages * stride_kc_block + in_page * stride_kc_slot)[None, :] + offs_d[:, None],
                      mask=token_ok[None, :] & d_ok[:, None], other=0.0)
-        qk = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale
+        qk = tile_dot(q, kT, None, DOT_PRECISION) * qk_scale
         qk = tl.where(token_ok[None, :], qk, float("-inf"))
         # Each iterated block holds at least one token of the split, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -110,7 +111,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_head + (pages * stride_vc_block + in_page * stride_vc_slot)[:, None] + offs_d[None, :],
                     mask=token_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = tile_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     # A split past the sequence's end keeps m_i = -inf, l_i = 0: its lse is -inf and the merge gives it no weight.
@@ -166,9 +167,8 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-# Hopper, keyed by the head dim rounded up to a power of two. At d=128, two warps over three stages
-# of 64-token K and V tiles (96 KiB of shared memory) beat four warps over two at batch 8 and 64
-# and at batch 1 from 4k tokens (benchmarks/results/2026-11-30-h200/decode-levers-2).
+# Hopper, keyed by the head dim rounded up to a power of two. At d=128, two warps over three stages of
+# 64-token K and V tiles were the faster on an H200 (docs/tuning/decode_attention-constants.md).
 DECODE_CONFIGS: dict[int, DecodeConfig] = {
     16: DecodeConfig(64, 4, 3),
     32: DecodeConfig(64, 4, 3),

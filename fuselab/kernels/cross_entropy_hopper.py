@@ -16,12 +16,9 @@ became the limit. Here most of a row is read from DRAM into shared memory once a
 - the compute warps fold each chunk into per-lane running (max, sum of exponentials), then write the
   gradient chunk by chunk. Both walks take the streamed chunks first, so the next row's streamed chunks
   are already arriving while this row's kept ones are still in use.
-At 8192 x 128256 bf16 that takes 1066-1075 us against the Triton kernel's 1331 (a clone of the logits:
-985-989); its DRAM traffic is one read and one write (2.11 GB read for 2.10 GB of logits, ncu before the
-counter). The counter is what brought it there: with rows dealt out in a fixed order (pid, pid + programs,
-...) the programs drift apart and their traffic spreads over ever more of the tensor; so dealt, this kernel
-took 1127-1130 us, and a plain copy of the logits by programs that stay on their SMs took 1065-1092 us
-against 1005-1010 with a counter (benchmarks/results/2026-11-30-h200/ce-hopper, sections 7-8).
+Its DRAM traffic is then one read and one write. Rows come from a counter because, dealt out in a fixed
+order, the programs drift apart and their traffic spreads over ever more of the tensor (measurements:
+docs/tuning/cross_entropy-constants.md).
 
 It takes what it was built and measured for: contiguous bf16/fp16 logits whose vocabulary is a multiple
 of 32 (the TMA view), without label smoothing, with a gradient, at least ROWS_PER_SM rows an SM, on a
@@ -38,19 +35,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fuselab.kernels._launch import cdiv
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels._common.launch import cdiv
+from fuselab.kernels._common.validate import INTERPRETED
 
 # Logits a chunk holds (16 KB of bf16), shared-memory slots (14 x 16 KB = 224 KB of the 227 KB an SM
 # has), slots whose chunk both walks use (the others stream the rest), streamed chunks the compute warps
-# hold in registers for the gradient (so only the rest of the row is read twice), compute warps.
-# Measured at 8192 x 128256 bf16: with 13 slots (ce-hopper/ce_held-*.txt) keep 8 / hold 5 took 1139-1141 us,
-# 7 / 5 1133, 8 / 6 1147, 9 / 5 1146-1147, 10 / 6 (the whole row on chip, 3 slots to stream with) 1178,
-# 10 / 0 (nothing held) 1194; 16 compute warps 1141-1144. With a 14th slot (ce-hopper/ce_slots-*.txt, kept
-# slots read one ahead, plain stores): keep 9 / hold 5 1107-1110, 8 / 5 1110-1115, 7 / 5 1117, 9 / 4 1122; with
-# evict-first stores 8 / 5 1117-1126, 7 / 5 1121, 6 / 6 1121, 9 / 6 (only the partial last chunk read twice)
-# 1138, 10 / 6 1130. The held chunks' code is unrolled; with the kept slots' loops unrolled too, the kernel
-# outgrew the instruction cache (10 / 6: 2054 us, 11 / 4: 2117, 12 / 4: 1522).
+# hold in registers for the gradient (so only the rest of the row is read twice), compute warps: chosen
+# by a sweep on an H200 (docs/tuning/cross_entropy-constants.md). Only the held chunks' code is unrolled:
+# with the kept slots' loops unrolled too, the kernel outgrew the instruction cache.
 CHUNK = 8192
 _STAGES = 14
 _KEEP = 9
@@ -61,9 +53,7 @@ _LANE = 8
 _COUNT_BLOCK = 1024
 # Registers a thread of each load warp asks for (setmaxnreg): the compute warps take the rest.
 _LOAD_REGS = 24
-# From 7 rows an SM on (ce-hopper/ce_rows-5.txt, both timed twice in one run, the counter's zeroing
-# included): the Triton kernel was faster at 264 and 396 rows (3 an SM: 73.3 against 75.0-75.7 us), even at
-# 528 (94.5-96.1 against 95.4-96.3), this one at 1024 (165.7-166.0 against 176.4-178.0) and 8192 (1074 against 1332).
+# From 7 rows an SM on: below, the Triton kernel was as fast or faster (docs/tuning/cross_entropy-constants.md).
 ROWS_PER_SM = 7
 
 # --------------------------------------------------------------------------------------------
@@ -165,7 +155,7 @@ def _fold(x, c, offs, n_vocab, lane_m, lane_s, CHUNK: gl.constexpr):
 @gluon.jit
 def _write_grad(x, c, offs, bias, valid, grad_row, n_vocab, CHUNK: gl.constexpr):
     """softmax · scale = exp2(x · log2e - bias) for chunk c (0 on an ignored row). Plain stores: marked
-    evict-first (.cs) they took 7-11 us longer at 8192 x 128256 (ce-hopper/ce_slots-*.txt)."""
+    evict-first (.cs) they were slower."""
     cols = c * CHUNK + offs
     g = gl.where(valid, gl.exp2(x.to(gl.float32) * 1.4426950408889634 - bias), 0.0)
     gl.store(grad_row + cols, g.to(grad_row.dtype.element_ty), mask=cols < n_vocab)
@@ -309,8 +299,9 @@ def _cross_entropy_hopper_kernel(desc, logits_ptr, target_ptr, target_stride, ro
 def _gluon_api_matches() -> bool:
     # Gluon is experimental: its warp_specialize took this form in Triton 3.6 and changes across releases,
     # and a slot is read back through the (private) reinterpretation of a shared-memory view.
-    return ("functions_and_args" in inspect.signature(gl.warp_specialize).parameters
-            and hasattr(gl.shared_memory_descriptor, "_reinterpret"))
+    warp_specialize = getattr(gl, "warp_specialize", None)
+    return (warp_specialize is not None and "functions_and_args" in inspect.signature(warp_specialize).parameters
+            and hasattr(getattr(gl, "shared_memory_descriptor", None), "_reinterpret"))
 
 
 _API_MATCHES = _gluon_api_matches()

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import cdiv
+from fuselab.kernels._common.launch import cdiv
 
 # A program adds up BLOCK_COLUMNS columns, BLOCK_PARTIALS rows of them a step, with STAGES steps' loads
 # in flight: 32 x 64 fp32 is 8 KiB a step, each row's 64 columns one 256-byte segment.

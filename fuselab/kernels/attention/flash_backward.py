@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._flash_common import (
+from fuselab.kernels.attention.common import (
     LOG2E,
     backward_config,
     dot_precision,
@@ -21,8 +21,9 @@ from fuselab.kernels._flash_common import (
     padded_head_dim,
     row_strides,
     sequence_span,
+    tile_dot,
 )
-from fuselab.kernels._launch import cdiv
+from fuselab.kernels._common.launch import cdiv
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -67,15 +68,15 @@ def _dkdv_over_queries(
         row_ok = rows < seq_q
         qT = tl.load(qT_ptrs + start_m * stride_qs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
         lse = tl.load(LSE_base + rows, mask=row_ok, other=0.0)
-        pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
+        pT = tl.math.exp2(tile_dot(k, qT, None, DOT_PRECISION) * qk_scale - lse[None, :])
         if CAUSAL_MASK:
             pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
         do = tl.load(do_ptrs + start_m * stride_dos, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dv = tile_dot(pT.to(do.dtype), do, dv, DOT_PRECISION)
         delta = tl.load(DELTA_base + rows, mask=row_ok, other=0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dpT = tile_dot(v, tl.trans(do), None, DOT_PRECISION)
         dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
+        dk = tile_dot(dsT.to(qT.dtype), tl.trans(qT), dk, DOT_PRECISION)
     return dk, dv
 
 
@@ -151,15 +152,15 @@ def _dq_over_keys(
         keys = start_n + offs_n
         mask = d_ok & (keys < seq_k)[None, :]
         kT = tl.load(kT_ptrs + start_n * stride_ks, mask=mask, other=0.0)
-        p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+        p = tl.math.exp2(tile_dot(q, kT, None, DOT_PRECISION) * qk_scale - lse[:, None])
         if CAUSAL_MASK:
             p = tl.where(offs_m[:, None] >= keys[None, :], p, 0.0)
         if KEY_MASK:
             p = tl.where((keys < seq_k)[None, :], p, 0.0)
         vT = tl.load(vT_ptrs + start_n * stride_vs, mask=mask, other=0.0)
-        dp = tl.dot(do, vT, input_precision=DOT_PRECISION)
+        dp = tile_dot(do, vT, None, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
+        dq = tile_dot(ds.to(kT.dtype), tl.trans(kT), dq, DOT_PRECISION)
     return dq
 
 

@@ -9,9 +9,7 @@ program (128 query rows of one head) is three partitions:
 - two compute warpgroups own 64 rows each and take turns issuing their matrix products (a pair of
   barriers passes the turn), so one's softmax overlaps the other's products. Each issues a block's q·kᵀ
   together with the previous block's p·v and waits for both once.
-At head dim 128 and sequence 4096 that took 1865 us against 2260 us for the Triton kernel (non-causal)
-and 1137 against 1231 (causal), 0.99x and 0.91x SDPA's cuDNN backend in the same run
-(benchmarks/results/2026-11-30-h200/flash-hopper).
+At head dim 128 it was faster than the Triton kernel on an H200 (docs/tuning/flash_attention-constants.md).
 
 It takes what it was built and measured for: padded, contiguous bf16/fp16 [batch, heads, seq, 128]
 tensors with both sequence lengths multiples of 128 (equal when causal), on a Hopper GPU, with the
@@ -35,11 +33,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from fuselab.kernels._flash_common import LOG2E
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels.attention.common import LOG2E
+from fuselab.kernels._common.validate import INTERPRETED
 
 # Query rows a program owns (two compute warpgroups of 64), keys a K/V block holds, ring stages: three
-# 128x128 K and V stages and q fill 224 KB of the 227 KB an SM has (two stages: 2017 against 1865 us).
+# 128x128 K and V stages and q fill 224 KB of the 227 KB an SM has (two were slower).
 _ROWS = 128
 _KEYS = 128
 _STAGES = 3
@@ -217,7 +215,8 @@ def _flash_forward_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, num_heads,
 
 def _gluon_api_matches() -> bool:
     # Gluon is experimental: its warp_specialize took this form in Triton 3.6 and changes across releases.
-    return "functions_and_args" in inspect.signature(gl.warp_specialize).parameters
+    warp_specialize = getattr(gl, "warp_specialize", None)
+    return warp_specialize is not None and "functions_and_args" in inspect.signature(warp_specialize).parameters
 
 
 _API_MATCHES = _gluon_api_matches()

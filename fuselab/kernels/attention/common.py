@@ -1,6 +1,6 @@
-"""What the FlashAttention forward and backward share: tile loads, launch configs, and how a
-sequence's rows are addressed in the padded [batch, heads, seq, head_dim] and packed
-[tokens, heads, head_dim] layouts.
+"""What the attention kernels share: tile loads and dots, the softmax scale, the head dims they
+take, FlashAttention's launch configs, and how a sequence's rows are addressed in the padded
+[batch, heads, seq, head_dim] and packed [tokens, heads, head_dim] layouts.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._launch import next_power_of_2
-from fuselab.kernels._validate import INTERPRETED
+from fuselab.kernels._common.launch import next_power_of_2
+from fuselab.kernels._common.validate import INTERPRETED
 
 
 @triton.jit
@@ -32,6 +32,21 @@ def load_tile(ptrs, row_ok, d_ok, CHECK_ROWS: tl.constexpr, PAD_D: tl.constexpr)
         else:
             tile = tl.load(ptrs)
     return tile
+
+
+# Triton's interpreter multiplies bfloat16 `tl.dot` operands as their raw 16-bit patterns. There,
+# bf16 operands are widened to fp32 first (exactly); a compiled kernel never takes the branch.
+_WIDEN_BF16_DOTS = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def tile_dot(a, b, acc, PRECISION: tl.constexpr):
+    """tl.dot(a, b, acc) of two tiles of one dtype (acc None: a new fp32 sum), right in the interpreter too."""
+    if _WIDEN_BF16_DOTS:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -111,10 +126,8 @@ class BackwardConfig(NamedTuple):
     num_stages: int
 
 
-# Hopper (sm_90), keyed by the head dim rounded up to a power of two. Shared memory bounds them:
-# at d=128 a 128-row q tile plus three stages of 64-key K and V tiles is 128 KiB of 227.
-# d=64: 64-key steps over four stages, 22-25% faster than 128-key steps over three at seq 4096
-# (`fuselab bench attention --sweep`, benchmarks/results/2026-11-30-h200/attention-tma).
+# Hopper (sm_90), keyed by the head dim rounded up to a power of two, bounded by shared memory: chosen by
+# `fuselab bench attention --sweep` on an H200 (docs/tuning/flash_attention-constants.md).
 FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     16: ForwardConfig(128, 64, 4, 3),
     32: ForwardConfig(128, 64, 4, 3),
@@ -122,18 +135,15 @@ FORWARD_CONFIGS: dict[int, ForwardConfig] = {
     128: ForwardConfig(128, 64, 8, 3),
     256: ForwardConfig(64, 64, 8, 2),
 }
-# The forward kernel whose tiles move through TMA descriptors, keyed by (padded head dim, causal),
-# where it beat the pointer kernel above (same sweep, seq 4096): d=128 causal 1252 -> 1208 us with
-# 64-row tiles, non-causal 2281 -> 2213 us with 128x128 tiles. It serves padded, contiguous inputs
-# with a power-of-two head dim; everything else (packed sequences, strided views) takes the pointer kernel.
+# The forward kernel whose tiles move through TMA descriptors, keyed by (padded head dim, causal), where
+# it beat the pointer kernel above in the same sweep. It serves padded, contiguous inputs with a
+# power-of-two head dim; everything else (packed sequences, strided views) takes the pointer kernel.
 TMA_FORWARD_CONFIGS: dict[tuple[int, bool], ForwardConfig] = {
     (128, True): ForwardConfig(64, 64, 4, 3),
     (128, False): ForwardConfig(128, 128, 8, 3),
 }
 # Causal attention over this many queries or more takes the non-causal tiles: most of a 128-row tile's key
-# blocks are then unmasked. d=128, four interleaved rounds against 64x64 tiles: seq 16384 4463 against
-# 4562 us (best), seq 8192 2364 against 2429 (median), seq 4096 1243 against 1238
-# (benchmarks/results/2026-11-30-h200/ce-lanes-flash-tail).
+# blocks are then unmasked, and the larger tiles were the faster from here on.
 LONG_CAUSAL_SEQ = 8192
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     16: BackwardConfig(32, 64, 64, 32, 4, 3),

@@ -7,6 +7,7 @@ that needs several of them per call pays that at every decode step; these are pl
 """
 
 import contextlib
+import contextvars
 import functools
 import os
 from collections.abc import Iterator
@@ -21,9 +22,11 @@ from fuselab.device import triton_interpreted
 # while the kernel before it drains its last wave; it loads what no kernel of the step writes (the
 # weights), then waits (gdc_wait) before it reads that kernel's output or writes anything. In a
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
-# (benchmarks/results/2026-11-30-h200/decode-levers-2). FUSELAB_PDL=0 turns it off.
+# (docs/tuning/common-constants.md). FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
-_pdl_scope = False
+# Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
+# thread's (and one asyncio task's), never another's.
+_pdl_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_dependent_launches", default=False)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,9 +49,8 @@ def row_block_grid(n_rows: int, n_cols: int, max_block: int) -> tuple[tuple[int]
 @triton.jit
 def row_and_columns(n_cols, BLOCK: tl.constexpr):
     """(row, its columns) of this program on a `row_block_grid`: a row's blocks, then the next row's.
-    Programs that run together read neighbouring memory: at 16384 x 28672 bf16, silu_and_mul went from
-    340.8 to 325.8 us (97% -> 102% of copy) against a (rows, column blocks) grid, which reads every
-    row's first block before any second one (benchmarks/results/2026-11-30-h200/swiglu-flat)."""
+    Programs that run together read neighbouring memory, which a (rows, column blocks) grid, reading
+    every row's first block before any second one, does not (docs/tuning/common-constants.md)."""
     pid = tl.program_id(0)
     blocks = tl.cdiv(n_cols, BLOCK)
     return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -64,12 +66,11 @@ def dependent_launches() -> Iterator[None]:
     """Kernels launched in this block (on one thread) use programmatic dependent launch where the
     GPU has it. Only for work in which no kernel writes a weight that a later kernel reads (an
     inference step): a kernel reads its weights before it waits for the kernel before it."""
-    global _pdl_scope
-    outer, _pdl_scope = _pdl_scope, True
+    token = _pdl_scope.set(True)
     try:
         yield
     finally:
-        _pdl_scope = outer
+        _pdl_scope.reset(token)
 
 
 def pdl_allowed() -> bool:
@@ -79,7 +80,7 @@ def pdl_allowed() -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether a kernel launched now on `device` uses programmatic dependent launch."""
-    if not _pdl_scope or device.type != "cuda":
+    if not _pdl_scope.get() or device.type != "cuda":
         return False
     return _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
 
