@@ -149,12 +149,12 @@ def free_names(code: str) -> set[str]:
 
 
 def run_block(block: Block, code: str, device: torch.device) -> None:
-    makers = stand_ins(device)
-    missing = sorted(free_names(code) - makers.keys())
+    makers, free = stand_ins(device), free_names(code)
+    missing = sorted(free - makers.keys())
     if missing:
         pytest.fail(f"README.md:{block.line}: the block reads {missing} without defining or importing them, and "
                     f"the test has no stand-in for them (fuselab names must be imported by the block)")
-    namespace = {"__name__": "__main__"} | {name: makers[name]() for name in free_names(code)}
+    namespace = {"__name__": "__main__"} | {name: makers[name]() for name in free}
     # Blank lines in front, so that a traceback names the README's own line numbers.
     compiled = compile("\n" * (block.line - 1) + code, str(README), "exec")
     try:
