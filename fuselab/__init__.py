@@ -2,10 +2,11 @@
 traffic in PyTorch GPU inference."""
 
 from fuselab import device  # noqa: F401  (first: chooses compiled or interpreted Triton before any kernel is defined)
-from fuselab.timing import Timer, Timers, bench, cuda_timer
+# `bench`, the timing harness, is fuselab.timing.bench: the name fuselab.bench is the benchmark subjects' package.
+from fuselab.timing import Timer, Timers, cuda_timer
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "Timer", "Timers", "bench", "cuda_timer", "patch", "__version__"]
+__all__ = ["LLM", "SamplingParams", "Timer", "Timers", "cuda_timer", "patch", "__version__"]
 
 # Names whose modules load Triton and the kernels: imported on first use, so that `import fuselab`
 # (and every `fuselab --help`) stays quick.

@@ -27,3 +27,13 @@ def test_unknown_attribute_raises_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no_such_thing"):
         fuselab.no_such_thing  # noqa: B018
+
+
+def test_bench_names_one_thing_whatever_was_imported_first() -> None:
+    # A submodule import binds its name on the package: `fuselab.bench` is the benchmark subjects'
+    # package, so the timing harness lives at fuselab.timing.bench only.
+    code = ("import fuselab.bench.decode, fuselab, types; from fuselab.timing import bench; "
+            "print(isinstance(fuselab.bench, types.ModuleType), callable(bench))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True"
