@@ -170,6 +170,10 @@ class AsyncLLM:
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
         self.llm = llm
+        # The engine thread's current device must be the engine's: a bare "cuda" means the caller's current one.
+        device = llm.device
+        self._cuda_index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
         self.max_unfinished = llm.engine_config.max_num_seqs + max_waiting
         self._on_finish = on_finish
         self._cond = threading.Condition()
@@ -240,8 +244,8 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         scheduler = self.llm.scheduler
-        if self.llm.device.type == "cuda":
-            torch.cuda.set_device(self.llm.device)  # the current device is per thread; events record on it
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)  # the current device is per thread; events record on it
         try:
             while True:
                 with self._cond:
