@@ -164,3 +164,21 @@ def test_close_ends_unfinished_requests_with_abort(llm):
 
     assert asyncio.run(run())[-1] == "abort"
     assert _all_free(llm)
+
+
+def test_an_engine_thread_that_fails_ends_its_requests_and_refuses_new_ones(llm, monkeypatch):
+    def broken_step():
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(llm, "step", broken_step)
+    engine = AsyncLLM(llm).start()
+
+    async def run():
+        stream = engine.submit("x", GREEDY)
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(anext(stream), timeout=30)
+        engine._thread.join(timeout=30)
+        with pytest.raises(EngineDead, match="device went away"):
+            engine.submit("x", GREEDY)
+
+    asyncio.run(run())

@@ -244,9 +244,9 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         scheduler = self.llm.scheduler
-        if self._cuda_index is not None:
-            torch.cuda.set_device(self._cuda_index)  # the current device is per thread; events record on it
         try:
+            if self._cuda_index is not None:
+                torch.cuda.set_device(self._cuda_index)  # the current device is per thread; events record on it
             while True:
                 with self._cond:
                     while not (self._commands or self._closing or scheduler.has_unfinished()):
