@@ -19,9 +19,13 @@ from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.rope import apply_rope, rope_and_store_kv, rope_cos_sin
 from fuselab.kernels.flash_attention import flash_attention, flash_attention_varlen
 from fuselab.kernels.paged_attention import decode_attention, store_kv
+from fuselab.kernels.quant_pack import QUANT_FORMATS, QuantizedWeight, quantize_weight
+from fuselab.kernels.quantized_linear import quantized_linear
 
 __all__ = [
     "ATTENTION_HEAD_DIMS",
+    "QUANT_FORMATS",
+    "QuantizedWeight",
     "add",
     "apply_rope",
     "argmax",
@@ -33,6 +37,8 @@ __all__ = [
     "flash_attention_varlen",
     "layer_norm",
     "linear",
+    "quantize_weight",
+    "quantized_linear",
     "rms_norm",
     "rope_and_store_kv",
     "rope_cos_sin",
