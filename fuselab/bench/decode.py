@@ -420,7 +420,8 @@ def write_markdown(result: dict, path: Path) -> None:
         f"- command: `{h['command']}`",
         f"- workload: {_describe(result)}",
         "- decode tok/s = batch · (new − 1) / (time(new) − time(first token)); bandwidth achieved = decode tok/s over "
-        "the roofline's (a quantized row's roofline reads its packed weights); compile/capture s: torch.compile's "
+        "the roofline's (a quantized row's counts what its step reads: packed projections and norms, not an untied "
+        "embedding table, which the bf16 rows' counts); compile/capture s: torch.compile's "
         "first generate per batch size (hf-compile), CUDA-graph capture of every bucket (graphs); weights GB: the "
         "engine's weights on the GPU; vs bf16: a quantized row's rate over its mode's bf16 row", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 1 + "---:|" * (len(COLUMNS) - 1),
