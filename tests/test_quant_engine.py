@@ -172,3 +172,19 @@ def test_step_bytes_count_each_projection_packed():
     packed = decode_quant.step_bytes(llm.model, dense)
     assert packed == sum(m.qweight.nbytes + m.scales.nbytes for m in layers)
     assert packed < dense / 1.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int8", "fp8"])
+def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization):
+    """Batches of 1, 3 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
+    cuBLAS, the decode step replayed from CUDA graphs, against the same model without graphs."""
+    path = checkpoints["llama3"][1]
+    prompts = [[(7 * i + j) % 256 for j in range(5 + i)] for i in range(20)]
+    args = dict(dtype="float32", max_model_len=128, device="cuda", quantization=quantization, max_num_seqs=32)
+    fused = LLM(path, mode="fused", **args)
+    graphs = LLM(path, mode="graphs", **args)
+    for batch in (prompts[:1], prompts[:3], prompts):
+        expected = [o.token_ids for o in fused.generate(batch, GREEDY)]
+        assert [o.token_ids for o in graphs.generate(batch, GREEDY)] == expected
+    assert graphs.runner.graphs.replays > 0
