@@ -324,7 +324,8 @@ def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], 
     for batch in args.batch_sizes:
         rows.append({**measure_fuselab(llm, batch, args), **extra})
         print(f"{label} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    if not args.quick:
+    # A quantized fused mode's doctor would stream DOCTOR_TOKENS host-bound steps to say what bf16's said.
+    if not args.quick and (quantization is None or mode == "graphs"):
         prompts = _prompts(doctor_batch, args.prompt_len, llm.config.vocab_size)
         with engine_step(llm, prompts, max_tokens=DOCTOR_TOKENS) as step:
             doctor[label] = diagnose_step(step)
