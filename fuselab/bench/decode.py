@@ -407,7 +407,8 @@ def _doctor_rows(result: dict) -> list[list[str]]:
 def _describe(result: dict) -> str:
     c = result["config"]
     formats = "".join(f", {q}" for q in c.get("quantization", []))
-    return (f"{c['preset']}, bf16{formats}, random weights, prompt {c['prompt_len']}, {c['new_tokens']} new tokens, greedy; "
+    return (f"{c['preset']}, bf16{formats}, random weights, prompt {c['prompt_len']}, {c['new_tokens']} new tokens, "
+            "greedy; "
             f"roofline: {c['weight_bytes'] / 1e9:.2f} GB of weights + KV at mean context {c['mean_context']:.0f} "
             f"per step at {c['copy_bandwidth_gbs'] / 1e3:.2f} TB/s ({c['ceilings_source']})")
 

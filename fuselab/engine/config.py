@@ -249,7 +249,8 @@ def _checkpoint_quantization(q: object) -> CheckpointQuantization:
         raise ValueError(f"{where}: bits={q.get('bits')!r} is not supported (only 4)")
     group_size = q.get("group_size", 128)
     if group_size not in GPTQ_GROUP_SIZES:
-        raise ValueError(f"{where}: group_size={group_size!r} is not supported ({', '.join(map(str, GPTQ_GROUP_SIZES))})")
+        raise ValueError(f"{where}: group_size={group_size!r} is not supported "
+                         f"({', '.join(map(str, GPTQ_GROUP_SIZES))})")
     if q.get("sym", True) is not True:
         raise ValueError(f"{where}: sym={q.get('sym')!r} is not supported: only symmetric checkpoints (zero point 8)")
     if q.get("desc_act", False) is not False:

@@ -66,7 +66,8 @@ def _expected_parts(model: LlamaForCausalLM) -> dict[str, int]:
     """How many checkpoint tensors fill each parameter (or quantized layer's weight): 3 for
     qkv_proj, 2 for gate_up_proj, else 1. A tied model's quantized head copies the embedding."""
     names = [name for name, _ in model.named_parameters()]
-    names += [name for name in quantized_layers(model) if not (model.head_copies_embedding and name == "lm_head.weight")]
+    names += [name for name in quantized_layers(model)
+              if not (model.head_copies_embedding and name == "lm_head.weight")]
     return {name: 3 if ".qkv_proj." in name else 2 if ".gate_up_proj." in name else 1 for name in names}
 
 

@@ -12,7 +12,8 @@ dequantized in registers, never written back. Three paths, by rows of x (M):
 - larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
 
 Dequantization without int-to-float conversions (a quarter-rate instruction): a code OR-ed into
-the mantissa of 2^23 is the float 2^23 + code, and one subtraction gives q exactly. int4 group scales multiply sums over their group, not each weight.
+the mantissa of 2^23 is the float 2^23 + code, and one FFMA gives q exactly (`_codes`). int4
+group scales multiply sums over their group, not each weight.
 Every launch depends on shapes alone (no host sync, output from the caching allocator), so the
 decode step's CUDA graph captures it.
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
