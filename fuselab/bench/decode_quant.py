@@ -6,8 +6,9 @@ so the two compare like for like. Its roofline counts what its step reads: every
 (lm_head, or a tied model's quantized copy of the embedding, included) at its packed size, codes
 plus scales, and the norms; not an untied embedding table, of which a step reads one row a token
 (the bf16 rows' roofline counts that table too: 1.05 GB at the 8B shape, 7% of its bytes).
-Quality: the bf16 engine decodes --new-tokens greedy tokens from one prompt; each format's engine scores the same sequence (fuselab.engine.quant_quality): mean
-KL(bf16 || format) and top-1 agreement over the decoded positions.
+Quality: the bf16 engine decodes --new-tokens greedy tokens from one prompt; each format's engine
+scores the same sequence (fuselab.engine.quant_quality): mean KL(bf16 || format) and top-1
+agreement over the decoded positions.
 """
 
 from __future__ import annotations
