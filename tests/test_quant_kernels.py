@@ -77,11 +77,12 @@ def test_several_rows_run_the_tensor_core_kernel(device, monkeypatch, fmt, group
 
 @pytest.mark.parametrize("fmt, group", FORMATS)
 def test_tensor_core_tiles_over_rows_of_x_and_w(device, fmt, group):
-    # 70 rows of x at 64 a program, 40 rows of W at 16 a program: partial tiles on both sides.
+    # 70 rows of x at 64 a program, 40 rows of W at 64 a program: partial tiles on both sides.
     x = _randn((70, 130), torch.float32, device, 1)
     weight = _weight(fmt, group, 40, 130, device, 2)
     _check(x, weight, _randn((40,), torch.float32, device, 3))
-    assert ql.mma_config(70, 40, weight.data.shape[1], fmt, 132)[:2] == (64, 16)
+    assert ql.mma_config(70, 40, weight.data.shape[1], fmt, 132)[:2] == (64, 64)
+    assert ql.mma_config(5, 40, weight.data.shape[1], fmt, 132)[:2] == (16, 16)  # few rows of x: fill the SMs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

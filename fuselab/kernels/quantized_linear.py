@@ -271,12 +271,14 @@ def gemv_config(n: int, n_words: int, sms: int) -> tuple[int, int, int]:
 @functools.lru_cache(maxsize=1024)
 def mma_config(m: int, n: int, n_words: int, fmt: str, sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_W, num_warps): x's rows padded to the MMA's 16 (up to 64 a
-    program), the widest tile of W rows that still gives every SM a program, and steps of one
-    block for int4 (a scale group per tl.dot), two for the 8-bit formats where the row allows."""
+    program); tiles of 64 rows of W, narrowed down to 16 while that leaves SMs without a program,
+    but only for up to 16 rows of x: every program reads all of x once (from L2), which at 64 rows
+    and 16-row tiles would be 16x the bytes of the int4 weight itself. Steps of one block for
+    int4 (a scale group per tl.dot), two for the 8-bit formats where the row allows."""
     block_m = min(64, max(16, next_power_of_2(m)))
     m_blocks = cdiv(m, block_m)
     block_n = 64
-    while block_n > 16 and cdiv(n, block_n) * m_blocks < sms:
+    while block_m == 16 and block_n > 16 and cdiv(n, block_n) * m_blocks < sms:
         block_n //= 2
     block_w = 2 * BLOCK_WORDS if fmt != "int4" and n_words % (2 * BLOCK_WORDS) == 0 else BLOCK_WORDS
     return block_m, block_n, block_w, max(1, block_n // 16)
