@@ -74,8 +74,8 @@ def test_config_json_that_is_not_an_object_names_the_file(ckpt, text, match):
 
 @pytest.mark.parametrize("fields, match", [
     (dict(architectures=["MixtralForCausalLM"]), r"architectures=\['MixtralForCausalLM'\]"),
-    (dict(quantization_config={"quant_method": "gptq", "bits": 4}),
-     r"quantization_config \(quant_method='gptq'\): quantized checkpoints are not supported yet"),
+    (dict(quantization_config={"quant_method": "gptq", "bits": 8}),
+     r"quantization_config \(quant_method='gptq'\): bits=8 is not supported \(only 4\)"),
     (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a positive number"),
 ])
 def test_unsupported_config_fields_name_the_file_and_field(ckpt, fields, match):

@@ -14,6 +14,10 @@ decode steps), and the rate as a share of the roofline: the bytes a step must re
 once, plus the KV cache at the run's mean context) over the copy bandwidth of `fuselab probe`,
 printed as "bandwidth achieved". Then the doctor's breakdown of one decode step of each mode at
 the smallest batch: compute and memory-bound kernel time, launch gaps, sync stalls, other idle.
+
+With --quantization int4,int8,fp8 the engine's fused and graphs modes run again on each format
+(the same random weights, quantized), side by side with bf16: bandwidth against the quantized
+bytes, the weights' GPU bytes, and the quality of the logits against bf16 (bench/decode_quant.py).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from fuselab.bench import batch_sizes, command_line, error_text, fmt, output_dir, positive_int, write_json
+from fuselab.bench import batch_sizes, command_line, decode_quant, error_text, fmt, output_dir, positive_int, write_json
 from fuselab.bench.graphs import count_launches
 from fuselab.device import ceilings, device_info, has_cuda
 
@@ -67,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"modes to run, among {','.join(MODES)} (default all)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--quick", action="store_true", help="32 new tokens and no doctor: a rough result in a minute")
+    parser.add_argument("--quantization", type=decode_quant.formats, default=[], metavar="F1,F2,...",
+                        help="also run the engine's fused and graphs modes with weights quantized to each format "
+                             f"({', '.join(decode_quant.QUANTIZATION_CHOICES)}), and compare their logits with bf16")
     parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for decode.json, decode.md and decode.png (default benchmarks/results)")
 
@@ -88,10 +95,12 @@ def model_bytes(preset: str) -> tuple[int, int]:
     return params * DTYPE.itemsize, 2 * c.num_layers * c.kv_size * DTYPE.itemsize
 
 
-def roofline_tok_s(preset: str, batch: int, context: float, bandwidth_gbs: float) -> float:
-    """Decode tok/s if a step took only the time to read every weight once and each sequence's KV."""
+def roofline_tok_s(preset: str, batch: int, context: float, bandwidth_gbs: float,
+                   weight_bytes: int | None = None) -> float:
+    """Decode tok/s if a step took only the time to read every weight once (weight_bytes of them,
+    default the bf16 model's) and each sequence's KV."""
     weights, kv_per_token = model_bytes(preset)
-    step_bytes = weights + batch * context * kv_per_token
+    step_bytes = (weights if weight_bytes is None else weight_bytes) + batch * context * kv_per_token
     return batch * bandwidth_gbs * 1e9 / step_bytes
 
 
@@ -173,13 +182,14 @@ def _hf_decode_step(model, input_ids: torch.Tensor) -> Callable[[], None]:
 BLOCK_SIZE = 16
 
 
-def build_llm(preset: str, mode: str, max_batch: int, max_model_len: int, tokens_held: int):
+def build_llm(preset: str, mode: str, max_batch: int, max_model_len: int, tokens_held: int,
+              quantization: str | None = None):
     """An engine whose KV cache holds `tokens_held` tokens (in whole blocks per sequence) and no more:
     the memory left is the CUDA graphs' and the next mode's."""
     from fuselab.engine import LLM
 
     return LLM(preset, mode=mode, dtype="bfloat16", max_num_seqs=max_batch, max_model_len=max_model_len,
-               block_size=BLOCK_SIZE, num_kv_blocks=-(-tokens_held // BLOCK_SIZE))
+               block_size=BLOCK_SIZE, num_kv_blocks=-(-tokens_held // BLOCK_SIZE), quantization=quantization)
 
 
 @contextmanager
@@ -298,19 +308,27 @@ def _measure_hf_mode(mode: str, args: argparse.Namespace, rows: list[dict], doct
         doctor[mode] = diagnose_step(_hf_decode_step(model, ids))
 
 
-def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict) -> None:
+def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict,
+                         quantization: str | None = None) -> None:
+    from fuselab.engine.quantize import weight_bytes
+
     doctor_batch = min(args.batch_sizes)
     max_len = args.prompt_len + max(args.new_tokens, DOCTOR_TOKENS) + BLOCK_SIZE
     seq_blocks = -(-(args.prompt_len + args.new_tokens + 1) // BLOCK_SIZE) + 1
     held = BLOCK_SIZE * max(max(args.batch_sizes) * seq_blocks, doctor_batch * -(-max_len // BLOCK_SIZE))
-    llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held)
+    llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held, quantization)
+    label = mode if quantization is None else f"{mode} {quantization}"
+    extra = {"quantization": quantization or "bf16", "weights_gb": weight_bytes(llm.model) / 1e9}
+    if quantization is not None:
+        extra["step_weight_bytes"] = decode_quant.step_bytes(llm.model, model_bytes(args.preset)[0])
     for batch in args.batch_sizes:
-        rows.append(measure_fuselab(llm, batch, args))
-        print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    if not args.quick:
+        rows.append({**measure_fuselab(llm, batch, args), **extra})
+        print(f"{label} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
+    # A quantized fused mode's doctor would stream DOCTOR_TOKENS host-bound steps to say what bf16's said.
+    if not args.quick and (quantization is None or mode == "graphs"):
         prompts = _prompts(doctor_batch, args.prompt_len, llm.config.vocab_size)
         with engine_step(llm, prompts, max_tokens=DOCTOR_TOKENS) as step:
-            doctor[mode] = diagnose_step(step)
+            doctor[label] = diagnose_step(step)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -330,8 +348,10 @@ def measure(args: argparse.Namespace) -> dict:
             traceback.print_exc()
             print(f"{mode} failed: {failed[mode]}; going on with the other modes", flush=True)
         _release()
+    quality = decode_quant.measure(args, modes, rows, doctor, failed, _measure_engine_mode, _release)
     for row in rows:
-        row["roofline_tok_s"] = roofline_tok_s(args.preset, row["batch"], context, roof.copy_bandwidth_gbs)
+        row["roofline_tok_s"] = roofline_tok_s(args.preset, row["batch"], context, roof.copy_bandwidth_gbs,
+                                               row.get("step_weight_bytes"))
         row["bandwidth_pct"] = None if row["decode_tok_s"] is None else 100 * row["decode_tok_s"] / row["roofline_tok_s"]
     weights, kv_per_token = model_bytes(args.preset)
     return {
@@ -341,11 +361,13 @@ def measure(args: argparse.Namespace) -> dict:
                    "batch_sizes": args.batch_sizes, "modes": modes, "weight_bytes": weights,
                    "kv_bytes_per_token": kv_per_token, "mean_context": context,
                    "copy_bandwidth_gbs": roof.copy_bandwidth_gbs, "ceilings_source": roof.source,
-                   "doctor_batch": min(args.batch_sizes)},
+                   "doctor_batch": min(args.batch_sizes), "quantization": args.quantization},
         "rows": rows,
         "doctor": doctor,
         "failed": failed,
+        "quality": quality,
     }
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,15 +375,24 @@ def measure(args: argparse.Namespace) -> dict:
 # --------------------------------------------------------------------------------------------
 
 COLUMNS = ["mode", "batch", "decode tok/s", "bandwidth achieved", "TTFT ms", "ITL p50 ms", "ITL p99 ms",
-           "kernels/step", "compile/capture s"]
+           "kernels/step", "compile/capture s", "weights GB", "vs bf16"]
 DOCTOR_COLUMNS = ["mode", "verdict", "step us", "kernels", "syncs", "GPU busy",
                   *(f"{p.replace('_', ' ')}" for p in BREAKDOWN)]
 
 
+def _label(row: dict) -> str:
+    """A row's mode, and its weights' format when quantized ("graphs int4")."""
+    quantization = row.get("quantization", "bf16")
+    return row["mode"] if quantization == "bf16" else f"{row['mode']} {quantization}"
+
+
 def _table_rows(result: dict) -> list[list[str]]:
-    return [[r["mode"], str(r["batch"]), fmt(r["decode_tok_s"], ".1f"), fmt(r["bandwidth_pct"], ".0f") + "%",
+    rows = result["rows"]
+    return [[_label(r), str(r["batch"]), fmt(r["decode_tok_s"], ".1f"), fmt(r["bandwidth_pct"], ".0f") + "%",
              fmt(r["ttft_ms"], ".1f"), fmt(r["itl_p50_ms"], ".2f"), fmt(r["itl_p99_ms"], ".2f"),
-             fmt(r["kernels_per_step"], ".0f"), fmt(r["compile_s"], ".1f")] for r in result["rows"]]
+             fmt(r["kernels_per_step"], ".0f"), fmt(r["compile_s"], ".1f"), fmt(r.get("weights_gb"), ".2f"),
+             decode_quant.vs_bf16(r, rows)] for r in rows]
+
 
 
 def _doctor_rows(result: dict) -> list[list[str]]:
@@ -375,7 +406,9 @@ def _doctor_rows(result: dict) -> list[list[str]]:
 
 def _describe(result: dict) -> str:
     c = result["config"]
-    return (f"{c['preset']}, bf16, random weights, prompt {c['prompt_len']}, {c['new_tokens']} new tokens, greedy; "
+    formats = "".join(f", {q}" for q in c.get("quantization", []))
+    return (f"{c['preset']}, bf16{formats}, random weights, prompt {c['prompt_len']}, {c['new_tokens']} new tokens, "
+            "greedy; "
             f"roofline: {c['weight_bytes'] / 1e9:.2f} GB of weights + KV at mean context {c['mean_context']:.0f} "
             f"per step at {c['copy_bandwidth_gbs'] / 1e3:.2f} TB/s ({c['ceilings_source']})")
 
@@ -389,13 +422,16 @@ def write_markdown(result: dict, path: Path) -> None:
         f"- command: `{h['command']}`",
         f"- workload: {_describe(result)}",
         "- decode tok/s = batch · (new − 1) / (time(new) − time(first token)); bandwidth achieved = decode tok/s over "
-        "the roofline's; compile/capture s: torch.compile's first generate per batch size (hf-compile), CUDA-graph "
-        "capture of every bucket (graphs)", "",
+        "the roofline's (a quantized row's counts what its step reads: packed projections and norms, not an untied "
+        "embedding table, which the bf16 rows' counts); compile/capture s: torch.compile's "
+        "first generate per batch size (hf-compile), CUDA-graph capture of every bucket (graphs); weights GB: the "
+        "engine's weights on the GPU; vs bf16: a quantized row's rate over its mode's bf16 row", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * 1 + "---:|" * (len(COLUMNS) - 1),
         *["| " + " | ".join(row) + " |" for row in _table_rows(result)],
     ]
     lines += [f"- {mode} failed, so it has no rows (or only those before the failure): {err}"
               for mode, err in result.get("failed", {}).items()]
+    lines += decode_quant.quality_markdown(result)
     if result["doctor"]:
         lines += ["", f"## The doctor on one decode step, batch {result['config']['doctor_batch']}", "",
                   "| " + " | ".join(DOCTOR_COLUMNS) + " |", "|---|---|" + "---:|" * (len(DOCTOR_COLUMNS) - 2),
@@ -410,12 +446,12 @@ def write_plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in result["config"]["modes"] if any(r["mode"] == m for r in result["rows"])]
+    modes = list(dict.fromkeys(_label(r) for r in result["rows"]))
     batches = result["config"]["batch_sizes"]
     fig, (rates, shares) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(modes)
+    width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
-        rows = {r["batch"]: r for r in result["rows"] if r["mode"] == mode}
+        rows = {r["batch"]: r for r in result["rows"] if _label(r) == mode}
         xs = [j + i * width for j in range(len(batches))]
         rates.bar(xs, [rows[b]["decode_tok_s"] or 0 if b in rows else 0 for b in batches], width, label=mode)
         shares.bar(xs, [rows[b]["bandwidth_pct"] or 0 if b in rows else 0 for b in batches], width, label=mode)
@@ -435,7 +471,7 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    console.width = max(console.width, 150)  # a pipe reports 80 columns, which would cut the table's cells
+    console.width = max(console.width, 180)  # a pipe reports 80 columns, which would cut the table's cells
     table = Table(title=f"fuselab bench decode: {_describe(result)}")
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "mode" else "right")
@@ -449,6 +485,7 @@ def print_table(result: dict) -> None:
         for row in _doctor_rows(result):
             table.add_row(*row)
         console.print(table)
+    decode_quant.print_quality(console, result)
     for mode, err in result.get("failed", {}).items():
         console.print(f"[red]{mode} failed:[/] {err}")
 

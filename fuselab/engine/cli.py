@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING
 
 from fuselab.engine.tokenizer import TOKENIZER_FILE
 
+# Spelled here rather than imported from fuselab.engine.quantize, which loads torch: `fuselab
+# --help` stays quick. tests/test_quant_engine.py checks the two agree.
+QUANTIZATION_CHOICES = ("int4", "int4-g32", "int4-g64", "int4-g128", "int8", "fp8")
+
 if TYPE_CHECKING:
     from fuselab.engine.config import ModelConfig
 
@@ -59,6 +63,10 @@ def add_generate_parser(sub) -> None:
                    help="default bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N", help="prompt + output tokens at most")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                   help="quantize every linear layer's weight as the model loads: int4 (group 128; int4-g64, int4-g32 "
+                        "for smaller groups), int8 (per channel) or fp8 (e4m3, per channel). A GPTQ checkpoint is "
+                        "read as quantized without it")
 
 
 def _check_prompts(args: argparse.Namespace, model_dir: Path | None, config: ModelConfig) -> None:
@@ -89,7 +97,8 @@ def run_generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
         _check_prompts(args, *resolve_model(args.model))  # from config.json alone, before the weights are read
-        llm = LLM(args.model, mode=mode, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+        llm = LLM(args.model, mode=mode, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  quantization=args.quantization)
         if len(prompts) == 1:
             return _stream_one(llm, prompts[0], params)
         outputs = llm.generate(prompts, params)

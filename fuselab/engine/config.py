@@ -44,6 +44,23 @@ PRESETS: dict[str, dict] = {
 }
 
 
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What config.json's quantization_config says of a quantized checkpoint the engine reads: GPTQ,
+    4-bit, symmetric (zero point 8), one scale per group of `group_size` input features, groups in
+    order (desc_act false)."""
+
+    method: str  # "gptq"
+    bits: int
+    group_size: int
+    zero_offset: int  # added to the stored zero points: 1 in the "gptq" format (stored minus one), 0 in "gptq_v2"
+    lm_head: bool  # whether lm_head is quantized too
+
+
+GPTQ_GROUP_SIZES = (32, 64, 128)
+_GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}
+
+
 class CheckpointError(ValueError):
     """A checkpoint directory holds something the engine cannot read or does not implement; the
     message names the file and the field or tensor at fault."""
@@ -90,6 +107,7 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before RoPE
     eos_token_ids: tuple[int, ...]
     dtype: str | None  # the checkpoint's dtype, e.g. "bfloat16"
+    quantization: CheckpointQuantization | None = None  # a GPTQ checkpoint's scheme
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -97,6 +115,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config field model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         _reject_unsupported(d, model_type)
+        quantization = d.get("quantization_config")
         heads = _positive_int(d, "num_attention_heads")
         kv_heads = _positive_int(d, "num_key_value_heads") if d.get("num_key_value_heads") is not None else heads
         if heads % kv_heads:
@@ -132,6 +151,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             eos_token_ids=eos_ids,
             dtype=dtype if isinstance(dtype, str) else None,
+            quantization=None if quantization is None else _checkpoint_quantization(quantization),
         )
 
     @classmethod
@@ -199,11 +219,6 @@ def _reject_unsupported(d: dict, model_type: str) -> None:
                                       or any(a != ARCHITECTURES[model_type] for a in architectures)):
         raise ValueError(f"config field architectures={architectures!r} is not supported for model_type="
                          f"{model_type!r} (only [{ARCHITECTURES[model_type]!r}])")
-    quantization = d.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(f"config field quantization_config (quant_method={method!r}): quantized checkpoints are "
-                         "not supported yet")
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config field hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
     # Qwen2 always has a q/k/v bias; Llama's optional biases (q/k/v and o together) are not served.
@@ -218,3 +233,33 @@ def _reject_unsupported(d: dict, model_type: str) -> None:
         raise ValueError("config field layer_types: only 'full_attention' layers are supported")
     if d.get("pretraining_tp", 1) != 1:
         raise ValueError(f"config field pretraining_tp={d['pretraining_tp']} is not supported (only 1)")
+
+
+def _checkpoint_quantization(q: object) -> CheckpointQuantization:
+    """The GPTQ layouts AutoGPTQ, GPTQModel and transformers save; any other quantization_config is
+    refused, naming the field."""
+    if not isinstance(q, dict):
+        raise ValueError(f"config field quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    where = f"config field quantization_config (quant_method={method!r})"
+    if method != "gptq":
+        raise ValueError(f"{where}: this quantization method is not supported; supported: 'gptq' (4-bit, sym, "
+                         f"group size {', '.join(map(str, GPTQ_GROUP_SIZES))}, desc_act false)")
+    if q.get("bits") != 4:
+        raise ValueError(f"{where}: bits={q.get('bits')!r} is not supported (only 4)")
+    group_size = q.get("group_size", 128)
+    if group_size not in GPTQ_GROUP_SIZES:
+        raise ValueError(f"{where}: group_size={group_size!r} is not supported "
+                         f"({', '.join(map(str, GPTQ_GROUP_SIZES))})")
+    if q.get("sym", True) is not True:
+        raise ValueError(f"{where}: sym={q.get('sym')!r} is not supported: only symmetric checkpoints (zero point 8)")
+    if q.get("desc_act", False) is not False:
+        raise ValueError(f"{where}: desc_act={q.get('desc_act')!r} (act-order) is not supported: groups must be in "
+                         "order")
+    layout = q.get("checkpoint_format", q.get("format", "gptq"))
+    if layout not in _GPTQ_FORMATS:
+        raise ValueError(f"{where}: checkpoint_format={layout!r} is not supported ({', '.join(_GPTQ_FORMATS)})")
+    lm_head = q.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        raise ValueError(f"{where}: lm_head must be true or false, got {lm_head!r}")
+    return CheckpointQuantization("gptq", 4, group_size, _GPTQ_FORMATS[layout], lm_head)

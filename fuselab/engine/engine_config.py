@@ -15,6 +15,7 @@ import torch
 
 from fuselab.device import default_device, has_cuda
 from fuselab.engine.config import PRESETS, ModelConfig
+from fuselab.engine.quantize import QuantScheme, parse_quantization
 from fuselab.engine.sampling_params import is_int
 from fuselab.kernels import ATTENTION_HEAD_DIMS
 
@@ -32,7 +33,8 @@ _warned: set[str] = set()
 class EngineConfig:
     """The arguments of `LLM` (see there). Construction validates every one, naming it in the
     error, and resolves the defaults: afterwards `device` is a torch.device, `dtype` a
-    torch.dtype, `mode` the mode that runs ("graphs" runs "eager" without a GPU), and
+    torch.dtype, `mode` the mode that runs ("graphs" runs "eager" without a GPU), `quantization`
+    a QuantScheme (from the argument, or from a GPTQ checkpoint's config) or None, and
     `max_model_len` and `max_num_batched_tokens` are ints. num_kv_blocks stays None when the
     cache is to be sized from free memory (known only once the weights are loaded)."""
 
@@ -46,6 +48,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int | None = None
+    quantization: str | QuantScheme | None = None
     model_dir: Path | None = field(init=False)  # the checkpoint directory; None for a preset
     model_config: ModelConfig = field(init=False)
 
@@ -55,6 +58,7 @@ class EngineConfig:
         self.device = _resolve_device(self.device)
         self.mode = _resolve_mode(self.mode, self.device)
         self.dtype = _resolve_dtype(self.dtype, config, self.device)
+        self.quantization = _resolve_quantization(self.quantization, config, self.device)
         if self.mode != "eager" and config.head_dim not in ATTENTION_HEAD_DIMS:
             raise ValueError(f"mode {self.mode!r} needs a head dim in {ATTENTION_HEAD_DIMS}; this model's is "
                              f"{config.head_dim} (use mode='eager')")
@@ -155,3 +159,21 @@ def _resolve_dtype(dtype: object, config: ModelConfig, device: torch.device) -> 
     if dtype in (torch.float32, torch.bfloat16, torch.float16):
         return dtype
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch dtype among them, got {dtype!r}")
+
+
+def _resolve_quantization(value: object, config: ModelConfig, device: torch.device) -> QuantScheme | None:
+    if isinstance(value, QuantScheme):
+        return value
+    scheme = parse_quantization(value)
+    checkpoint = config.quantization
+    if checkpoint is not None:
+        if scheme is not None:
+            raise ValueError(f"quantization={value!r}: this checkpoint is already quantized ({checkpoint.method}, "
+                             f"{checkpoint.bits}-bit, group {checkpoint.group_size}); leave quantization unset")
+        return QuantScheme("int4", checkpoint.group_size, torch.float16, from_checkpoint=True,
+                           quantize_head=checkpoint.lm_head)
+    if scheme is not None and scheme.fmt == "fp8" and device.type == "cuda" \
+            and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("quantization='fp8' needs a GPU of compute capability 8.9 or newer (float8 e4m3 "
+                         f"conversions); this one is {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    return scheme

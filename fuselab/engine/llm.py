@@ -45,17 +45,20 @@ class LLM:
     dtype: default bfloat16 on a GPU (float16 if the checkpoint is), float32 on the CPU.
     The KV cache takes kv_cache_memory_fraction of the GPU memory left free by the weights
     (num_kv_blocks overrides it); max_model_len (default min(4096, the model's)) bounds
-    prompt + output. EngineConfig checks these arguments and resolves their defaults
-    (`engine_config`). One generate call runs at a time.
+    prompt + output. quantization: "int4" (= "int4-g128"), "int4-g64", "int4-g32", "int8" or
+    "fp8" quantizes every linear layer's weight as it loads (fuselab.engine.quantize); a GPTQ
+    checkpoint is read as the 4-bit model it is. EngineConfig checks these arguments and resolves
+    their defaults (`engine_config`). One generate call runs at a time.
     """
 
     def __init__(self, model: str | os.PathLike, mode: str = "graphs", dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
                  kv_cache_memory_fraction: float = 0.9, *, block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, quantization: str | None = None) -> None:
         self.engine_config = engine_config = EngineConfig(
             model, mode, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_fraction,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens)
+            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
+            quantization=quantization)
         self.config = config = engine_config.model_config
         self.device, self.mode, self.dtype = engine_config.device, engine_config.mode, engine_config.dtype
         self.max_model_len = engine_config.max_model_len
@@ -63,7 +66,8 @@ class LLM:
         # The small files first: a broken one is reported before the weights are read.
         self.tokenizer = load_tokenizer(engine_config.model_dir)
         eos_ids = config.eos_token_ids + _generation_eos(engine_config.model_dir)
-        self.model = build_model(config, self.dtype, self.device, self.max_model_len, self.mode)
+        self.model = build_model(config, self.dtype, self.device, self.max_model_len, self.mode,
+                                 engine_config.quantization)
         if engine_config.model_dir is None:
             init_random(self.model)
         else:

@@ -12,6 +12,10 @@ add, SwiGLU on the merged gate/up, RoPE and the KV-cache store in one launch, va
 for prefill, paged flash-decoding for decode, and a two-launch argmax for the greedy pick. The
 projections are cuBLAS GEMMs in both, except that "fused" runs a one-row projection with few
 output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV.
+
+With a quantization scheme every projection, lm_head included, is a QuantizedLinear (packed int4,
+int8 or fp8 weights, fuselab.engine.quantize): "fused" runs fuselab.kernels.quantized_linear,
+"eager" its torch reference (a dequantized copy of the weight per call).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from torch import nn
 
 from fuselab import kernels
 from fuselab.engine.config import ModelConfig
-from fuselab.kernels import reference
+from fuselab.engine.quantize import QuantizedLinear, QuantScheme, bind_quantized
+from fuselab.kernels import reference, reference_quant
 
 
 @dataclass
@@ -78,6 +83,10 @@ FUSED_OPS = Ops(
     argmax=kernels.argmax,
 )
 
+# Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
+EAGER_QUANT_OPS = EAGER_OPS._replace(linear=reference_quant.quantized_linear)
+FUSED_QUANT_OPS = FUSED_OPS._replace(linear=kernels.quantized_linear)
+
 
 class RMSNorm(nn.Module):
     # Plain methods rather than forward: a module call's hook handling would cost host time per
@@ -104,12 +113,13 @@ class Attention(nn.Module):
     graph captured after holds it by address."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype)
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, dtype, quant,
+                                    bias=config.qkv_bias)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, dtype, quant)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, ops)
@@ -153,11 +163,22 @@ def in_major_linear(in_features: int, out_features: int, dtype: torch.dtype) -> 
     return layer
 
 
+def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: QuantScheme | None,
+                bias: bool = False, in_major: bool = False) -> nn.Module:
+    """The float projection (nn.Linear, or in_major_linear where cuBLAS reads it at every batch
+    size), or with `quant` a QuantizedLinear in its place."""
+    if quant is not None:
+        return QuantizedLinear(in_features, out_features, quant, bias, dtype, in_major)
+    if in_major:
+        return in_major_linear(in_features, out_features, dtype)
+    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, quant: QuantScheme | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = in_major_linear(config.hidden_size, 2 * config.intermediate_size, dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, dtype, quant, in_major=True)
+        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, dtype, quant)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +188,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype, ops, cos_sin, max_model_len)
-        self.mlp = MLP(config, dtype, ops)
+        self.self_attn = Attention(config, dtype, ops, cos_sin, max_model_len, quant)
+        self.mlp = MLP(config, dtype, ops, quant)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
@@ -187,22 +208,27 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow Hugging Face's, with q/k/v_proj merged into qkv_proj and
     gate/up_proj into gate_up_proj. With tied embeddings there is no lm_head: the logits
-    read the embedding matrix. Build it with build_model."""
+    read the embedding matrix; quantized, lm_head is a quantized copy of it (`head_copies_embedding`:
+    the loader fills it), the lookups keep the float table. Build it with build_model."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None) -> None:
         super().__init__()
         self.config = config
         self.max_model_len = max_model_len
         self.ops = ops
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len, quant)
                                           for _ in range(config.num_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        head_quant = quant if quant is not None and quant.quantize_head else None
         # Tied, the logits read the embedding, whose lookups need its rows: it stays row-major.
-        self.lm_head = None if config.tie_word_embeddings else in_major_linear(config.hidden_size, config.vocab_size,
-                                                                               dtype)
+        if head_quant is None and config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = make_linear(config.hidden_size, config.vocab_size, dtype, head_quant, in_major=True)
+        self.head_copies_embedding = config.tie_word_embeddings and self.lm_head is not None
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """Give each layer its key and value cache, [num_blocks, block_size, kv_heads, head_dim]."""
@@ -219,8 +245,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         h = self.model.norm.add_and_normalize(h, residual)[0]
+        if isinstance(self.lm_head, QuantizedLinear):
+            return self.ops.linear(h, self.lm_head.weight, None, out)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight) if out is None else torch.matmul(h, weight.t(), out=out)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -228,12 +256,19 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                mode: str) -> LlamaForCausalLM:
-    """An uninitialized model on `device`, running `mode`'s ops: built on the meta device, so no
-    memory is written twice (the weights come from a checkpoint or a random init next)."""
-    ops = FUSED_OPS if mode in ("fused", "graphs") else EAGER_OPS
+                mode: str, quant: QuantScheme | None = None) -> LlamaForCausalLM:
+    """An uninitialized model on `device`, running `mode`'s ops (with `quant`, on quantized
+    projections): built on the meta device, so no memory is written twice (the weights come from
+    a checkpoint or a random init next)."""
+    fused = mode in ("fused", "graphs")
+    if quant is None:
+        ops = FUSED_OPS if fused else EAGER_OPS
+    else:
+        ops = FUSED_QUANT_OPS if fused else EAGER_QUANT_OPS
     cos_sin = kernels.rope_cos_sin(max_model_len, config.head_dim, config.rope_theta, config.rope_scaling,
                                    device=device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype, ops, cos_sin, max_model_len)
-    return model.to_empty(device=device).eval()
+        model = LlamaForCausalLM(config, dtype, ops, cos_sin, max_model_len, quant)
+    model = model.to_empty(device=device).eval()
+    bind_quantized(model)  # the packed buffers were replaced by to_empty
+    return model

@@ -22,9 +22,13 @@ from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.rope import apply_rope, rope_and_store_kv, rope_cos_sin
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
+from fuselab.kernels.quant_pack import QUANT_FORMATS, QuantizedWeight, quantize_weight
+from fuselab.kernels.quantized_linear import quantized_linear
 
 __all__ = [
     "ATTENTION_HEAD_DIMS",
+    "QUANT_FORMATS",
+    "QuantizedWeight",
     "add",
     "apply_rope",
     "argmax",
@@ -36,6 +40,8 @@ __all__ = [
     "flash_attention_varlen",
     "layer_norm",
     "linear",
+    "quantize_weight",
+    "quantized_linear",
     "rms_norm",
     "rope_and_store_kv",
     "rope_cos_sin",

@@ -1,0 +1,402 @@
+"""y = x · Wᵀ (+ b) for a weight in fuselab's packed int4 / int8 / fp8 layout (quant_pack), the
+dequantization fused into the product; activations and output in float32, bfloat16 or float16.
+
+Decode reads each weight once per step, so a quantized weight is read as packed words and
+dequantized in registers, never written back. Three paths, by rows of x (M):
+
+- M <= GEMV_MAX_ROWS: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program takes a few rows of W
+  and whole-row runs of 16-byte word loads (its first run requested before it waits for the kernel
+  before, and the next run before the current one is used), so every SM streams weights.
+- M <= FUSED_MAX_ROWS: `_mma_kernel`, the dequantized block fed to tl.dot as the left operand
+  (y^T = W · x^T, so a few rows of x fill the MMA's narrow side).
+- larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
+
+Dequantization without int-to-float conversions (a quarter-rate instruction): a code OR-ed into
+the mantissa of 2^23 is the float 2^23 + code, and one FFMA gives q exactly (`_codes`). int4
+group scales multiply sums over their group, not each weight.
+Every launch depends on shapes alone (no host sync, output from the caching allocator), so the
+decode step's CUDA graph captures it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor
+from fuselab.kernels.quant_pack import (
+    BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
+
+_FORMAT_IDS = {"int4": 0, "int8": 1, "fp8": 2}
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _code_position(j: tl.constexpr, FORMAT: tl.constexpr):
+    """(in hi?, bit position) of code j: int4 codes 0-4 are read where they lie in w (bits 0-19),
+    5-7 from hi = w >> 16 (bits 4-15); int8 codes 0-1 from w's low half, 2-3 from hi's high half
+    (hi = w >> 12 for int8, so that no code sits at bit 0 of hi, which the compiler would extract
+    with a shift and a bit-field instruction of its own)."""
+    BITS: tl.constexpr = 4 if FORMAT == 0 else 8
+    LOW: tl.constexpr = 5 if FORMAT == 0 else 2
+    IN_HI: tl.constexpr = j >= LOW
+    SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
+    POS: tl.constexpr = BITS * j - SHIFT if IN_HI else BITS * j
+    return IN_HI, POS
+
+
+@triton.jit
+def _high_half(w, FORMAT: tl.constexpr):
+    """w's high codes shifted down (logically) to where _codes reads them: one shift a word."""
+    SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
+    return (w.to(tl.uint32, bitcast=True) >> SHIFT).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _codes(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr):
+    """Code j of each word as the fp32 value before scaling: q for int4/int8, the e4m3 value for fp8.
+
+    int4/int8: the code, masked where it lies (a mantissa bit of 2^23 or below) and OR-ed with
+    magic = 2^23, is the float 2^23 + code · 2^pos; one FFMA by 2^-pos, less 2^-pos · (2^23 +
+    zero code · 2^pos), leaves q exactly. One AND-OR and one FFMA a code, no int-to-float
+    conversion (a quarter-rate instruction). `magic` is a kernel argument, not a literal, so that
+    it stays in one register instead of being re-materialized for every AND-OR."""
+    if FORMAT == 2:
+        return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        BITS: tl.constexpr = 4 if FORMAT == 0 else 8
+        IN_HI: tl.constexpr = _code_position(j, FORMAT)[0]
+        POS: tl.constexpr = _code_position(j, FORMAT)[1]
+        SCALE: tl.constexpr = 1.0 / (1 << POS)
+        OFFSET: tl.constexpr = (8388608.0 + (8.0 if FORMAT == 0 else 128.0) * (1 << POS)) * SCALE
+        src = hi if IN_HI else w
+        v = ((src & (((1 << BITS) - 1) << POS)) | magic).to(tl.float32, bitcast=True)
+        return v * SCALE - OFFSET
+
+
+@triton.jit
+def _gemv_kernel(
+    X, Wq, S, B, Y, N, K, n_words, stride_sn, magic,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # A program: BLOCK_N rows of W, a run of BLOCK_B 16-word blocks of each at a time, the tile
+    # [BLOCK_N, BLOCK_B, 16] so that a thread's 4 words (one 16-byte load) share a scale group and
+    # reuse the x values it loads for every one of its rows.
+    ELEMS: tl.constexpr = 16 * PER_WORD
+    RUN: tl.constexpr = GROUP // 16  # int4: chunks of 16 elements that share a scale
+    BLOCK_W: tl.constexpr = 16 * BLOCK_B
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows = tl.minimum(rows, N - 1)  # a last partial tile re-reads row N - 1: no masked weight loads
+    blocks = tl.arange(0, BLOCK_B)
+    lanes = tl.arange(0, 16)
+    w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
+    x_ptrs = X + blocks[:, None] * ELEMS + lanes[None, :]  # code 0 of each word; code j is 16·j further
+    if FORMAT == 0:
+        s_ptrs = S + rows[:, None].to(tl.int64) * stride_sn + blocks[None, :] * (ELEMS // GROUP)
+    # The weights do not depend on the kernel before: with PDL the first run is read while it ends.
+    w = tl.load(w_ptrs)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
+    acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
+    last = n_words - BLOCK_W
+    for w0 in range(0, n_words, BLOCK_W):
+        # Two runs of W in flight: the next is requested before this one is used (the last run
+        # requests itself again rather than a masked load).
+        w_next = tl.load(w_ptrs + tl.minimum(w0 + BLOCK_W, last))
+        k0 = (w0 // 16) * ELEMS
+        hi = _high_half(w, FORMAT)
+        for j in tl.static_range(PER_WORD):
+            if EVEN_K:
+                x = tl.load(x_ptrs + (k0 + j * 16))
+            else:
+                ks = k0 + j * 16 + blocks[:, None] * ELEMS + lanes[None, :]
+                x = tl.load(x_ptrs + (k0 + j * 16), mask=ks < K, other=0.0)
+            prod = _codes(w, hi, magic, j, FORMAT) * x.to(tl.float32)[None, :, :]
+            if FORMAT == 0:
+                # A group's chunks are summed, then scaled once.
+                if j % RUN == 0:
+                    part = prod
+                else:
+                    part += prod
+                if j % RUN == RUN - 1:
+                    s = tl.load(s_ptrs + (k0 + j * 16) // GROUP)
+                    acc += part * s.to(tl.float32)[:, :, None]
+            else:
+                acc += prod
+        w = w_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if FORMAT != 0:
+        y *= tl.load(S + rows)
+    if HAS_BIAS:
+        y += tl.load(B + rows).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _operand(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
+    """Code j as a tl.dot operand of DTYPE, exactly (integers up to 255 and e4m3 values fit bf16 and fp16)."""
+    if FORMAT == 2 and DTYPE != tl.float32:
+        return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    else:
+        return _codes(w, hi, magic, j, FORMAT).to(DTYPE)
+
+
+@triton.jit
+def _mma_kernel(
+    X, Wq, S, B, Y, M, N, K, n_words, stride_xm, stride_ym, stride_sn, magic,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # y^T [BLOCK_N, BLOCK_M] = W · x^T: a step's code j of BLOCK_W words is a [BLOCK_N, BLOCK_W]
+    # operand whose columns are BLOCK_W elements of x (one per word, see x_offsets). int4 steps one
+    # block (BLOCK_W = 16) so that each tl.dot lies in one scale group. Rows of W past N and of x
+    # past M are clamped to the last one (their results are not stored), so no load is masked.
+    ELEMS: tl.constexpr = 16 * PER_WORD
+    RUN: tl.constexpr = GROUP // 16
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows = tl.minimum(rows, N - 1)
+    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    ms = tl.minimum(ms, M - 1)
+    cols = tl.arange(0, BLOCK_W)
+    x_offsets = (cols // 16) * ELEMS + cols % 16
+    w_ptrs = Wq + rows[:, None].to(tl.int64) * n_words + cols[None, :]
+    xt_ptrs = X + ms[None, :].to(tl.int64) * stride_xm + x_offsets[:, None]
+    dtype = X.dtype.element_ty
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for w0 in range(0, n_words, BLOCK_W):
+        w = tl.load(w_ptrs + w0)
+        hi = _high_half(w, FORMAT)
+        k0 = (w0 // 16) * ELEMS
+        for j in tl.static_range(PER_WORD):
+            if EVEN_K:
+                xt = tl.load(xt_ptrs + (k0 + j * 16))
+            else:
+                xt = tl.load(xt_ptrs + (k0 + j * 16), mask=(k0 + j * 16 + x_offsets < K)[:, None], other=0.0)
+            a = _operand(w, hi, magic, j, FORMAT, dtype)
+            if DOT_FP32:
+                a, xt = a.to(tl.float32), xt.to(tl.float32)
+            if FORMAT == 0:
+                if j % RUN == 0:
+                    part = tl.dot(a, xt, input_precision=PRECISION)
+                else:
+                    part = tl.dot(a, xt, part, input_precision=PRECISION)
+                if j % RUN == RUN - 1:
+                    s = tl.load(S + rows * stride_sn + (k0 + j * 16) // GROUP)
+                    acc += part * s.to(tl.float32)[:, None]
+            else:
+                acc = tl.dot(a, xt, acc, input_precision=PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if FORMAT != 0:
+        acc *= tl.load(S + rows)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(B + rows).to(tl.float32)[:, None]
+    tl.store(Y + ms[None, :].to(tl.int64) * stride_ym + rows[:, None], acc.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(
+    Wq, S, Out, N, K, n_words, stride_sn, magic,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    ELEMS: tl.constexpr = 16 * PER_WORD
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    words = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    w = tl.load(Wq + rows[:, None].to(tl.int64) * n_words + words[None, :],
+                mask=row_ok[:, None] & (words < n_words)[None, :], other=0)
+    hi = _high_half(w, FORMAT)
+    if FORMAT != 0:
+        s = tl.load(S + rows, mask=row_ok, other=0.0)[:, None]
+    for j in tl.static_range(PER_WORD):
+        ks = (words // 16) * ELEMS + j * 16 + words % 16
+        if FORMAT == 0:
+            s = tl.load(S + rows[:, None] * stride_sn + (ks // GROUP)[None, :], mask=row_ok[:, None], other=0.0)
+        v = _codes(w, hi, magic, j, FORMAT) * s.to(tl.float32)
+        tl.store(Out + rows[:, None].to(tl.int64) * K + ks[None, :], v.to(Out.dtype.element_ty),
+                 mask=row_ok[:, None] & (ks < K)[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Host launchers
+# --------------------------------------------------------------------------------------------
+
+# Rows of x up to which the CUDA-core GEMV runs; up to FUSED_MAX_ROWS the tensor-core kernel;
+# beyond, dequantize-then-cuBLAS (whose dequantization costs a write of W per call, paid back
+# once a product has that many rows to reuse it). scripts/tune-quant-gemv measures the crossovers.
+GEMV_MAX_ROWS = 1
+FUSED_MAX_ROWS = 256
+# A warp reads 128 words of a row per load (4 a thread): a run of 32 blocks (512 words, a whole
+# 4096-wide int4 row) is 4 warps' worth. Every thread reuses each x value it loads for all of its
+# program's rows: 8 rows keep that reuse at 8x (166 registers); 4 when 8 leave few programs per SM.
+GEMV_MAX_RUN_BLOCKS = 32
+GEMV_ROWS = 8
+MAGIC = 0x4B000000  # fp32 2^23: OR-ed with a code of up to 23 bits it is the float 2^23 + code
+MMA_NUM_STAGES = 3
+
+
+@functools.lru_cache(maxsize=1024)
+def gemv_config(n: int, n_words: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_B, num_warps): the longest run of blocks up to GEMV_MAX_RUN_BLOCKS that
+    divides the row (so that no run is masked), a warp per 8 blocks of it, and GEMV_ROWS rows a
+    program, halved while that leaves fewer than 4 programs per SM."""
+    blocks = n_words // BLOCK_WORDS
+    block_b = 1
+    while block_b < GEMV_MAX_RUN_BLOCKS and blocks % (2 * block_b) == 0:
+        block_b *= 2
+    block_n = GEMV_ROWS
+    while block_n > 1 and cdiv(n, block_n) < 4 * sms:
+        block_n //= 2
+    return block_n, block_b, max(1, block_b // 8)
+
+
+@functools.lru_cache(maxsize=1024)
+def mma_config(m: int, n: int, n_words: int, fmt: str, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_W, num_warps): x's rows padded to the MMA's 16 (up to 64 a
+    program); tiles of 64 rows of W, narrowed down to 16 while that leaves SMs without a program,
+    but only for up to 16 rows of x: every program reads all of x once (from L2), which at 64 rows
+    and 16-row tiles would be 16x the bytes of the int4 weight itself. Steps of one block for
+    int4 (a scale group per tl.dot), two for the 8-bit formats where the row allows."""
+    block_m = min(64, max(16, next_power_of_2(m)))
+    m_blocks = cdiv(m, block_m)
+    block_n = 64
+    while block_m == 16 and block_n > 16 and cdiv(n, block_n) * m_blocks < sms:
+        block_n //= 2
+    block_w = 2 * BLOCK_WORDS if fmt != "int4" and n_words % (2 * BLOCK_WORDS) == 0 else BLOCK_WORDS
+    return block_m, block_n, block_w, max(1, block_n // 16)
+
+
+def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
+    n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
+    block_n, block_b, num_warps = config or gemv_config(n, n_words, sm_count(x2.device))
+    pdl = use_pdl(x2.device)
+    _gemv_kernel[(cdiv(n, block_n),)](
+        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
+        weight.scales.stride(0), MAGIC,
+        FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, EVEN_K=k % block_elements(weight.fmt) == 0,
+        USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
+    )
+
+
+def _launch_mma(x2, weight, bias, y2, config=None, num_stages=MMA_NUM_STAGES) -> None:
+    m, n, k, n_words = x2.shape[0], weight.out_features, weight.in_features, weight.data.shape[1]
+    block_m, block_n, block_w, num_warps = config or mma_config(m, n, n_words, weight.fmt, sm_count(x2.device))
+    pdl = use_pdl(x2.device)
+    # Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; exact in fp32 instead.
+    interpreted_bf16 = INTERPRETED and x2.dtype == torch.bfloat16
+    _mma_kernel[(cdiv(n, block_n), cdiv(m, block_m))](
+        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, m, n, k, n_words,
+        x2.stride(0), y2.stride(0), weight.scales.stride(0), MAGIC,
+        FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
+        EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl,
+        PRECISION="ieee" if x2.dtype == torch.float32 or interpreted_bf16 else "tf32", DOT_FP32=interpreted_bf16,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+    )
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense [out_features, in_features] tensor of `dtype` (one kernel)."""
+    n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
+    out = torch.empty(n, k, device=weight.data.device, dtype=dtype)
+    block_n, block_w = 16, 64
+    _dequantize_kernel[(cdiv(n, block_n), cdiv(n_words, block_w))](
+        weight.data, weight.scales, out, n, k, n_words, weight.scales.stride(0), MAGIC,
+        FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
+        BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public op
+# --------------------------------------------------------------------------------------------
+
+
+def _check_weight(weight: object) -> None:
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(f"weight must be a QuantizedWeight (fuselab.kernels.quantize_weight), got "
+                        f"{type(weight).__name__}")
+    check_format(weight.fmt, weight.group_size)
+    data, scales = weight.data, weight.scales
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.int32 or data.dim() != 2 or not data.is_contiguous():
+        raise ValueError("weight.data must be a contiguous 2-D int32 tensor of packed words")
+    if data.shape[1] != packed_words(weight.in_features, weight.fmt):
+        raise ValueError(f"weight.data has {data.shape[1]} words a row; in_features={weight.in_features} packs "
+                         f"into {packed_words(weight.in_features, weight.fmt)} ({weight.fmt})")
+    expected = scales_shape(data.shape[0], weight.in_features, weight.fmt, weight.group_size)
+    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != expected or scales.stride(-1) != 1:
+        raise ValueError(f"weight.scales must have shape {expected} with unit last stride, got "
+                         f"{getattr(scales, 'shape', scales)!r}")
+    allowed = (torch.bfloat16, torch.float16, torch.float32) if weight.fmt == "int4" else (torch.float32,)
+    if scales.dtype not in allowed:
+        raise TypeError(f"weight.scales must be one of {allowed} for {weight.fmt}, got {scales.dtype}")
+    if scales.device != data.device:
+        raise ValueError(f"weight.scales is on {scales.device} but weight.data is on {data.device}")
+
+
+def _check(x: object, weight: object, bias: object, out: object) -> None:
+    check_float_tensor("x", x)
+    _check_weight(weight)
+    if x.dim() == 0 or x.shape[-1] != weight.in_features:
+        raise ValueError(f"x's last dim must equal weight's in_features ({weight.in_features}), got shape "
+                         f"{tuple(x.shape)}")
+    if x.device != weight.data.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.data.device}")
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if tuple(bias.shape) != (weight.out_features,) or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(f"bias must be a ({weight.out_features},) {x.dtype} tensor on {x.device}, got "
+                             f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
+    if out is not None:
+        shape = (*x.shape[:-1], weight.out_features)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype \
+                or out.device != x.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {shape} {x.dtype} tensor on {x.device}, got "
+                             f"{getattr(out, 'shape', out)!r}")
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
+    written into `out` when given. Inference only: no gradient flows to the quantized weight."""
+    _check(x, weight, bias, out)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], weight.out_features
+    if out is None:
+        out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
+        return out
+    y2 = out.view(m, n)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if m <= GEMV_MAX_ROWS:
+        _launch_gemv(x2, weight, bias, y2)
+    elif m <= FUSED_MAX_ROWS:
+        _launch_mma(x2, weight, bias, y2)
+    else:
+        torch.matmul(x2, dequantize(weight, x.dtype).t(), out=y2)
+        if bias is not None:
+            y2 += bias
+    return out

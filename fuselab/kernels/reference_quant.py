@@ -1,0 +1,44 @@
+"""Torch references of the quantized linear op: the packed layout read back element by element.
+
+Written from the layout's definition (fuselab.kernels.quant_pack) independently of the Triton
+kernels, which the tests compare against `dequantize(..., torch.float64)`. The engine's eager
+mode runs `quantized_linear` (a dequantized copy of the weight per call: slow, but plain torch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, _BITS, values_per_word
+
+
+def unpack_codes(weight: QuantizedWeight) -> torch.Tensor:
+    """The unsigned codes [N, in_features] (int64) of a packed weight."""
+    n = weight.data.shape[0]
+    bits, per_word = _BITS[weight.fmt], values_per_word(weight.fmt)
+    words = (weight.data.to(torch.int64) & 0xFFFFFFFF).view(n, -1, 1, BLOCK_WORDS)  # [row, block, 1, word i]
+    shifts = torch.arange(per_word, device=words.device).view(1, 1, per_word, 1) * bits
+    codes = (words >> shifts) & ((1 << bits) - 1)  # [row, block, code j, word i]: element 16·j + i of the block
+    return codes.view(n, -1)[:, : weight.in_features]
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The weight [N, in_features] the codes and scales stand for, computed in float64, returned as `dtype`."""
+    codes = unpack_codes(weight)
+    k = weight.in_features
+    if weight.fmt == "int4":
+        scales = weight.scales.double().repeat_interleave(weight.group_size, dim=1)[:, :k]
+        values = (codes - 8).double() * scales
+    elif weight.fmt == "int8":
+        values = (codes - 128).double() * weight.scales.double()[:, None]
+    else:
+        values = codes.to(torch.uint8).view(torch.float8_e4m3fn).double() * weight.scales.double()[:, None]
+    return values.to(dtype)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given."""
+    y = F.linear(x, dequantize(weight, x.dtype), bias)
+    return y if out is None else out.copy_(y)
