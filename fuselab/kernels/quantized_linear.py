@@ -39,20 +39,6 @@ _FORMAT_IDS = {"int4": 0, "int8": 1, "fp8": 2}
 
 
 @triton.jit
-def _code_position(j: tl.constexpr, FORMAT: tl.constexpr):
-    """(in hi?, bit position) of code j: int4 codes 0-4 are read where they lie in w (bits 0-19),
-    5-7 from hi = w >> 16 (bits 4-15); int8 codes 0-1 from w's low half, 2-3 from hi's high half
-    (hi = w >> 12 for int8, so that no code sits at bit 0 of hi, which the compiler would extract
-    with a shift and a bit-field instruction of its own)."""
-    BITS: tl.constexpr = 4 if FORMAT == 0 else 8
-    LOW: tl.constexpr = 5 if FORMAT == 0 else 2
-    IN_HI: tl.constexpr = j >= LOW
-    SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
-    POS: tl.constexpr = BITS * j - SHIFT if IN_HI else BITS * j
-    return IN_HI, POS
-
-
-@triton.jit
 def _high_half(w, FORMAT: tl.constexpr):
     """w's high codes shifted down (logically) to where _codes reads them: one shift a word."""
     SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
@@ -71,9 +57,16 @@ def _codes(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr):
     if FORMAT == 2:
         return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
+        # Where code j lies: int4 codes 0-4 where they are in w (bits 0-19), 5-7 in hi = w >> 16
+        # (bits 4-15); int8 codes 0-1 in w's low half, 2-3 in hi's high half (hi = w >> 12 for int8,
+        # so that no code sits at bit 0 of hi, which the compiler would extract with a shift and a
+        # bit-field instruction of its own). Plain constexpr arithmetic: a jit helper returning a
+        # tuple of constexprs does not stay constexpr on every Triton release.
         BITS: tl.constexpr = 4 if FORMAT == 0 else 8
-        IN_HI: tl.constexpr = _code_position(j, FORMAT)[0]
-        POS: tl.constexpr = _code_position(j, FORMAT)[1]
+        LOW: tl.constexpr = 5 if FORMAT == 0 else 2
+        IN_HI: tl.constexpr = j >= LOW
+        SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
+        POS: tl.constexpr = BITS * j - SHIFT if IN_HI else BITS * j
         SCALE: tl.constexpr = 1.0 / (1 << POS)
         OFFSET: tl.constexpr = (8388608.0 + (8.0 if FORMAT == 0 else 128.0) * (1 << POS)) * SCALE
         src = hi if IN_HI else w
