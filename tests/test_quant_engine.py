@@ -15,7 +15,7 @@ from fuselab.bench import decode_quant
 from fuselab.cli import main
 from fuselab.engine import LLM, SamplingParams
 from fuselab.engine import cli as engine_cli
-from fuselab.engine.engine_config import EngineConfig
+from fuselab.engine.engine_config import EXPERIMENTAL_GPU_QUANT, EngineConfig
 from fuselab.engine.quant_quality import compare, log_probs
 from fuselab.engine.quantize import QUANTIZATION_CHOICES, QuantizedLinear, parse_quantization, weight_bytes
 from fuselab.kernels import quantize_weight
@@ -175,10 +175,18 @@ def test_step_bytes_count_each_projection_packed():
 
 
 @pytest.mark.gpu
+def test_quantization_on_a_gpu_is_refused_until_its_kernels_are_right(checkpoints, monkeypatch):
+    monkeypatch.delenv(EXPERIMENTAL_GPU_QUANT, raising=False)
+    with pytest.raises(ValueError, match=EXPERIMENTAL_GPU_QUANT):
+        LLM(checkpoints["llama3"][1], device="cuda", quantization="int8")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int8", "fp8"])
-def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization):
+def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization, monkeypatch):
     """Batches of 1, 3 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
     cuBLAS, the decode step replayed from CUDA graphs, against the same model without graphs."""
+    monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
     path = checkpoints["llama3"][1]
     prompts = [[(7 * i + j) % 256 for j in range(5 + i)] for i in range(20)]
     args = dict(dtype="float32", max_model_len=128, device="cuda", quantization=quantization, max_num_seqs=32)

@@ -229,7 +229,7 @@ FUSELAB_COMMANDS = fuselab_commands()
 
 
 def test_readme_commands_cover_every_command_it_shows():
-    assert {argv[0] for _, _, argv in FUSELAB_COMMANDS} == {"probe", "doctor", "generate", "bench"}
+    assert {argv[0] for _, _, argv in FUSELAB_COMMANDS} == {"probe", "doctor", "generate", "bench", "serve"}
     for start in RUN_ON_CPU:
         assert any(text.startswith(start) for _, text, _ in FUSELAB_COMMANDS), \
             f"RUN_ON_CPU: no README command starts with {start!r}"
