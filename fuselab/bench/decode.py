@@ -8,12 +8,10 @@ and --new-tokens greedy new tokens per sequence, at each batch size:
   own fast path); its first call per batch size is compilation and timed apart;
 - eager, fused, graphs: the fuselab engine in each mode.
 
-Per mode: decode rate, decode tok/s = batch · (new − 1) / (time(new) − time(first token)), time to
-first token, inter-token latency p50/p99, kernels per decode step (torch.profiler over whole
-decode steps), and the rate as a share of the roofline: the bytes a step must read (every weight
-once, plus the KV cache at the run's mean context) over the copy bandwidth of `fuselab probe`,
-printed as "bandwidth achieved". Then the doctor's breakdown of one decode step of each mode at
-the smallest batch: compute and memory-bound kernel time, launch gaps, sync stalls, other idle.
+Per mode: decode tok/s = batch · (new − 1) / (time(new) − time(first token)), time to first token,
+inter-token latency p50/p99, kernels per decode step, and "bandwidth achieved": the rate over the
+roofline's (every weight once, plus the KV cache at the mean context, over `fuselab probe`'s copy
+bandwidth). Then the doctor's breakdown of one decode step of each mode at the smallest batch.
 
 With --quantization int4,int8,fp8 the engine's fused and graphs modes run again on each format
 (the same random weights, quantized), side by side with bf16: bandwidth against the quantized
@@ -472,17 +470,15 @@ def print_table(result: dict) -> None:
 
     console = Console()
     console.width = max(console.width, 180)  # a pipe reports 80 columns, which would cut the table's cells
-    table = Table(title=f"fuselab bench decode: {_describe(result)}")
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "mode" else "right")
-    for row in _table_rows(result):
-        table.add_row(*row)
-    console.print(table)
+    tables = [(f"fuselab bench decode: {_describe(result)}", COLUMNS, _table_rows(result), ("mode",))]
     if result["doctor"]:
-        table = Table(title=f"the doctor on one decode step, batch {result['config']['doctor_batch']}")
-        for col in DOCTOR_COLUMNS:
-            table.add_column(col, justify="left" if col in ("mode", "verdict") else "right")
-        for row in _doctor_rows(result):
+        tables.append((f"the doctor on one decode step, batch {result['config']['doctor_batch']}", DOCTOR_COLUMNS,
+                       _doctor_rows(result), ("mode", "verdict")))
+    for title, columns, rows, left in tables:
+        table = Table(title=title)
+        for col in columns:
+            table.add_column(col, justify="left" if col in left else "right")
+        for row in rows:
             table.add_row(*row)
         console.print(table)
     decode_quant.print_quality(console, result)
