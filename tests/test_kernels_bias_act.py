@@ -24,9 +24,11 @@ def test_forward_matches_reference(device, dtype, width, activation):
 
 def test_exact_gelu_keeps_relative_accuracy_across_its_range_and_in_the_negative_tail(device):
     """The erfc fit behind GELU: relative, not only absolute, accuracy down to gelu(-12) ~ 1e-32 (the
-    fp32 rounding of x² bounds it there, to ~1e-5)."""
-    x = torch.cat([torch.linspace(-12, 12, 4801), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).to(device)[:, None]
-    zero = torch.zeros(1, device=device)
+    fp32 rounding of x² bounds it there, to ~1e-5). The values are one row: the activation is
+    elementwise, and a row of 4805 columns is a few programs where a column of 4805 rows is thousands
+    (each a slow step in the interpreter)."""
+    x = torch.cat([torch.linspace(-12, 12, 4801), torch.tensor([0.0, -0.0, 1e-30, -1e-30])]).to(device)[None, :]
+    zero = torch.zeros(x.shape[1], device=device)
     # Written with erfc: torch's own float64 GELU computes 1 + erf and cancels to 0 below x = -8.5.
     xd = x.double()
     phi = 0.5 * torch.special.erfc(-xd / 2**0.5)

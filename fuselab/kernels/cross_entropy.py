@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common import indices
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count
 from fuselab.kernels._common.optional import optional_gluon
 from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
@@ -463,14 +464,22 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    *,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `logits` [rows, vocab] against class indices `target` [rows], like
     `torch.nn.functional.cross_entropy`, computed in float32 without a float32 copy of the logits.
 
     Rows whose target is `ignore_index` contribute no loss and no gradient; "mean" divides by the
     number of the other rows. The loss has the logits' dtype.
+
+    A target outside [0, vocab) that is not ignore_index gives its row a NaN loss (no read outside
+    the logits, no host sync). check_indices=True (default: the FUSELAB_CHECK_INDICES environment
+    variable) checks the targets on the host first, a sync, and raises ValueError naming the first such.
     """
     _check_inputs(logits, target, ignore_index, reduction, label_smoothing)
+    if indices.requested(check_indices, logits.device):
+        indices.check_targets(target, logits.shape[1], ignore_index)
     if needs_autograd(logits):
         return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, label_smoothing)
     loss, _ = _cross_entropy_forward(logits, target, ignore_index, reduction, label_smoothing, write_grad=False)

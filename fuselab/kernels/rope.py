@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common import indices
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
 from fuselab.kernels.attention.paged_attention import check_store_inputs
@@ -105,7 +106,7 @@ def _rope_kernel(
     cos_sin_ptr, cos_sin_stride, max_pos,
     seq_len, n_q_heads, n_k_heads,
     # The cache store's arguments; None (dropped at compile time) unless STORE_KV.
-    v_ptr, v_stride_s, v_stride_h, slot_mapping_ptr, slot_mapping_stride,
+    v_ptr, v_stride_s, v_stride_h, slot_mapping_ptr, slot_mapping_stride, num_slots,
     k_cache_ptr, k_cache_stride_block, k_cache_stride_slot, k_cache_stride_h,
     v_cache_ptr, v_cache_stride_block, v_cache_stride_slot, v_cache_stride_h,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -141,10 +142,12 @@ def _rope_kernel(
     )
     if STORE_KV:
         # Inputs are [tokens, heads, head_dim] here (b == 0). Slot -1 marks a padding token: its
-        # q and k are still rotated into the outputs, but nothing of it goes into the cache.
+        # q and k are still rotated into the outputs, but nothing of it goes into the cache. Nor
+        # does anything of a token whose slot is outside the cache.
         slot = tl.load(slot_mapping_ptr + s * slot_mapping_stride).to(tl.int64)
-        n_cache_heads = tl.where(slot >= 0, n_k_heads, 0)
-        slot = tl.maximum(slot, 0)
+        stored = (slot >= 0) & (slot < num_slots)
+        n_cache_heads = tl.where(stored, n_k_heads, 0)
+        slot = tl.where(stored, slot, 0)
         page = slot // PAGE_SIZE
         offset = slot % PAGE_SIZE
         _rotate_heads(
@@ -185,7 +188,7 @@ def _head_block(n_heads: int, block_half: int, tile_elements: int) -> int:
 
 
 # In the order of _rope_kernel's cache-store arguments, for a launch without the store.
-_NO_STORE = (None,) * 13
+_NO_STORE = (None,) * 14
 
 
 @functools.cache
@@ -229,7 +232,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
     else:
         v, k_cache, v_cache, slot_mapping = store
         store_args = (
-            v, *v.stride()[:2], slot_mapping, slot_mapping.stride(0),
+            v, *v.stride()[:2], slot_mapping, slot_mapping.stride(0), k_cache.shape[0] * k_cache.shape[1],
             k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
         )
         meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, v.shape[1],
@@ -301,13 +304,21 @@ def apply_rope(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     layout: str = "rotate_half",
+    *,
+    check_indices: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries q [tokens, q_heads, head_dim] and keys k [tokens, kv_heads, head_dim] (or
     [batch, seq, heads, head_dim]) by the angles of their `positions` (integers, any values, shaped
     like the leading dims, or [seq] for 4-D inputs), using a `cos_sin` cache [max_pos, rotary_dim]
     from `rope_cos_sin`. Returns new (q, k); differentiable in q and k, not in the cache.
+
+    A position outside [0, max_pos) gives its token NaN rows, and reads nothing outside the cache.
+    check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
+    on the host first, a sync, and raises ValueError naming the first such position.
     """
     _check_inputs(q, k, positions, cos_sin, layout)
+    if indices.requested(check_indices, q.device):
+        indices.check_positions(positions, cos_sin.shape[0])
     interleaved = layout == "interleaved"
     if needs_autograd(q, k):
         return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
@@ -324,13 +335,17 @@ def rope_and_store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     layout: str = "rotate_half",
+    *,
+    check_indices: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rope` and `store_kv` in one launch: rotates q [tokens, q_heads, head_dim] and
     k [tokens, kv_heads, head_dim] as apply_rope does and returns the new (q, k), while writing
     token t's rotated k and its v (unchanged) into slot slot_mapping[t] = block · block_size + offset
     of k_cache and v_cache [num_blocks, block_size, kv_heads, head_dim], in place; slot -1 (padding)
-    writes nothing. q, k and v may be strided views of one fused projection (unit last stride).
-    The caches must have k's and v's dtype.
+    writes nothing, and so does any other slot outside the cache. q, k and v may be strided views
+    of one fused projection (unit last stride). The caches must have k's and v's dtype.
+    check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
+    and slot_mapping on the host first, as apply_rope and store_kv do.
 
     Inference only: it writes the cache and records no gradients, so it refuses inputs that
     require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
@@ -349,6 +364,9 @@ def rope_and_store_kv(
             "rope_and_store_kv is not differentiable (it is for inference): q, k or v requires grad; "
             "call it under torch.no_grad() or torch.inference_mode(), or use apply_rope and store_kv"
         )
+    if indices.requested(check_indices, q.device):
+        indices.check_positions(positions, cos_sin.shape[0])
+        indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
     return _launch_rope(q, k, positions, cos_sin, layout == "interleaved", inverse=False,
                         store=(v, k_cache, v_cache, slot_mapping))
 

@@ -53,6 +53,12 @@ def check_row_vector(name: str, t: object, x_name: str, x: torch.Tensor) -> None
         raise ValueError(f"{name} must have shape ({x.shape[-1]},) to match the last dim of {x_name}, got {tuple(t.shape)}")
 
 
+def check_flag(name: str, value: object) -> None:
+    """A real bool: a string such as "no" or a tensor would otherwise be taken by its truthiness."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
 def check_eps(eps: object) -> None:
     if not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")

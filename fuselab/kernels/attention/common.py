@@ -52,11 +52,15 @@ def tile_dot(a, b, acc, PRECISION: tl.constexpr):
 @triton.jit
 def sequence_span(CU_SEQLENS, batch, seq_q, seq_k, VARLEN: tl.constexpr):
     """(first row, query rows, key rows) of sequence `batch`: from cu_seqlens when packed (as many
-    keys as queries), else row 0 of its own batch entry and the padded lengths."""
+    keys as queries; seq_q is then the number of tokens), else row 0 of its own batch entry and the
+    padded lengths. Packed offsets are clamped to [0, tokens] and a sequence's end to its start, so
+    that no cu_seqlens makes a kernel read or write rows outside the tensors: two scalars a program."""
     if VARLEN:
-        first_row = tl.load(CU_SEQLENS + batch).to(tl.int64)
-        seq_q = tl.load(CU_SEQLENS + batch + 1) - first_row
+        first_row = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + batch), 0), seq_q)
+        end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + batch + 1), first_row), seq_q)
+        seq_q = end - first_row
         seq_k = seq_q
+        first_row = first_row.to(tl.int64)
     else:
         first_row = batch.to(tl.int64) * 0
     return first_row, seq_q, seq_k

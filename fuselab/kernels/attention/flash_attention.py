@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
+from fuselab.kernels._common import indices
+from fuselab.kernels._common.validate import check_flag, check_float_tensor, needs_autograd
 from fuselab.kernels.attention.common import SUPPORTED_HEAD_DIMS, resolve_scale
 from fuselab.kernels.attention.flash_backward import flash_backward
 from fuselab.kernels.attention.flash_forward import flash_forward
@@ -88,6 +89,7 @@ def flash_attention(
     SDPA's `is_causal`, and needs seq_q == seq_k. scale defaults to 1/sqrt(head_dim). Differentiable.
     """
     _check_qkv(q, k, v, 4, "[batch, heads, seq, head_dim]")
+    check_flag("causal", causal)
     seq_q, seq_k = q.shape[2], k.shape[2]
     if causal and seq_q != seq_k:
         raise ValueError(f"causal attention needs as many keys as queries: k has seq {seq_k}, q has seq {seq_q}")
@@ -96,7 +98,7 @@ def flash_attention(
     scale = resolve_scale(scale, q.shape[-1])
     if q.numel() == 0:
         return torch.empty_like(q)
-    return _run(q, k, v, None, seq_q, bool(causal), scale)
+    return _run(q, k, v, None, seq_q, causal, scale)
 
 
 def flash_attention_varlen(
@@ -107,6 +109,8 @@ def flash_attention_varlen(
     max_seqlen: int,
     causal: bool = True,
     scale: float | None = None,
+    *,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Attention within each of several sequences packed along the first dim: q [tokens, heads,
     head_dim], k, v [tokens, kv_heads, head_dim].
@@ -114,6 +118,11 @@ def flash_attention_varlen(
     Sequence i holds rows cu_seqlens[i] to cu_seqlens[i+1] (int32, starting at 0, on q's device);
     max_seqlen must be at least the longest sequence. It is a host int so that nothing here waits
     for the device. Rows past cu_seqlens[-1] are not written. Differentiable.
+
+    Offsets outside [0, tokens] are clamped to it on the device, so no cu_seqlens makes the kernels
+    touch memory outside q, k, v and the output; the result is then undefined. check_indices=True
+    (default: the FUSELAB_CHECK_INDICES environment variable) checks cu_seqlens and max_seqlen on
+    the host first, a sync, and raises ValueError naming the bad entry.
     """
     _check_qkv(q, k, v, 3, "[tokens, heads, head_dim]")
     if not isinstance(cu_seqlens, torch.Tensor):
@@ -126,7 +135,12 @@ def flash_attention_varlen(
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    check_flag("causal", causal)
     scale = resolve_scale(scale, q.shape[-1])
+    if indices.requested(check_indices, q.device):
+        indices.check_cu_seqlens(cu_seqlens, q.shape[0], max_seqlen)
+    # No sequence is longer than the tokens there are: a larger max_seqlen would only add idle programs.
+    max_seqlen = min(max_seqlen, q.shape[0])
     if q.numel() == 0 or max_seqlen == 0 or cu_seqlens.numel() == 1:
         return torch.zeros_like(q)
-    return _run(q, k, v, cu_seqlens.contiguous(), max_seqlen, bool(causal), scale)
+    return _run(q, k, v, cu_seqlens.contiguous(), max_seqlen, causal, scale)

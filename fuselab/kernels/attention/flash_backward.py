@@ -238,9 +238,13 @@ def flash_backward(
     delta, (stride_lb, stride_lh) = new_row_stats(q, varlen)
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
     if varlen:
+        # Grids cover max_seqlen rows a sequence; kernels are given the token count, the bound of every
+        # sequence's rows (`sequence_span`).
         batch, seq_q, seq_k = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
+        len_q = len_k = q.shape[0]
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
+        len_q, len_k = seq_q, seq_k
     cu = cu_seqlens if varlen else lse  # never read unless VARLEN
     cfg = backward_config(head_dim)
     shape = dict(HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), VARLEN=varlen)
@@ -250,19 +254,19 @@ def flash_backward(
     kv_strides = (*row_strides(k, varlen), *row_strides(v, varlen))
 
     _delta_kernel[(cdiv(seq_q, cfg.block_m2), batch * heads)](
-        out, dout, delta, cu, *row_strides(out, varlen), *do_strides, stride_lb, stride_lh, heads, seq_q,
+        out, dout, delta, cu, *row_strides(out, varlen), *do_strides, stride_lb, stride_lh, heads, len_q,
         BLOCK_M=cfg.block_m2, **shape,
     )
     _flash_backward_dkdv_kernel[(cdiv(seq_k, cfg.block_n1), batch * kv_heads)](
         q, k, v, dout, dk, dv, lse, delta, cu, *q_strides, *kv_strides, *do_strides,
         *row_strides(dk, varlen), *row_strides(dv, varlen), stride_lb, stride_lh,
-        kv_heads, heads // kv_heads, seq_q, seq_k, scale, qk_scale,
+        kv_heads, heads // kv_heads, len_q, len_k, scale, qk_scale,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),
         **shape, **launch,
     )
     _flash_backward_dq_kernel[(cdiv(seq_q, cfg.block_m2), batch * heads)](
         q, k, v, dout, dq, lse, delta, cu, *q_strides, *kv_strides, *do_strides, *row_strides(dq, varlen),
-        stride_lb, stride_lh, heads, heads // kv_heads, seq_q, seq_k, scale, qk_scale,
+        stride_lb, stride_lh, heads, heads // kv_heads, len_q, len_k, scale, qk_scale,
         BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2, CAUSAL=causal, DOT_PRECISION=dot_precision(q.dtype),
         **shape, **launch,
     )

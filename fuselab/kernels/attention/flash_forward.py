@@ -370,9 +370,13 @@ def flash_forward(
     lse, (stride_lb, stride_lh) = new_row_stats(q, varlen)
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
     if varlen:
+        # The grid covers max_seqlen rows a sequence; the kernel is given the token count instead, the
+        # bound of every sequence's rows (`sequence_span`).
         batch, seq_q, seq_k = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
+        kernel_lengths = (q.shape[0], q.shape[0])
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[2], k.shape[2]
+        kernel_lengths = (seq_q, seq_k)
     tma_cfg = tma_forward_config(head_dim, causal, seq_q)
     use_tma = tma_cfg is not None and _tma_layout(q, k, v, out, varlen)
     cfg = tma_cfg if use_tma else forward_config(head_dim)
@@ -394,7 +398,7 @@ def flash_forward(
         stride_args = (*row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
                        *row_strides(out, varlen), stride_lb, stride_lh)
         common.update(BLOCK_D=block_d, VARLEN=varlen)
-    size_args = (heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, m_blocks)
+    size_args = (heads, heads // kv_heads, *kernel_lengths, scale * LOG2E, m_blocks)
 
     # Causal tiles differ in cost (the costliest go first instead), packed sequences in length.
     whole, splits, part_blocks = tiles, 1, 0

@@ -30,6 +30,7 @@ from fuselab.kernels.attention.common import (
     resolve_scale,
     tile_dot,
 )
+from fuselab.kernels._common import indices
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, check_like
 
@@ -41,12 +42,13 @@ from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, ch
 @triton.jit
 def _store_kv_kernel(
     K, V, K_CACHE, V_CACHE, SLOT_MAPPING, stride_kt, stride_vt, stride_kc_block, stride_kc_slot,
-    stride_vc_block, stride_vc_slot, token_width, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    stride_vc_block, stride_vc_slot, token_width, num_slots, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per token: its kv_heads · head_dim values are contiguous in the input and in the slot.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT_MAPPING + token).to(tl.int64)
-    if slot < 0:  # padding of a batch rounded up for a CUDA graph
+    # -1: padding of a batch rounded up for a CUDA graph. A slot outside the cache is no store either.
+    if (slot < 0) | (slot >= num_slots):
         return
     page = slot // PAGE_SIZE
     offset = slot % PAGE_SIZE
@@ -63,6 +65,7 @@ def _decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, OUT,
     stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
+    num_blocks, table_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -75,7 +78,8 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
-    seq_len = tl.load(SEQ_LENS + batch)
+    # Clamped to the tokens a table row holds, so that no length walks off it (a scalar a program).
+    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + batch), 0), table_tokens)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -99,9 +103,12 @@ def _decode_split_kernel(
         tokens = start + offs_n
         token_ok = tokens < hi
         pages = tl.load(table + tokens // PAGE_SIZE, mask=token_ok, other=0).to(tl.int64)
+        # A block id outside the cache reads as zero keys and values, never memory past the cache: a
+        # compare on the ids already loaded, one a token.
+        kv_ok = token_ok & (pages >= 0) & (pages < num_blocks)
         in_page = tokens % PAGE_SIZE
         kT = tl.load(K_head + (pages * stride_kc_block + in_page * stride_kc_slot)[None, :] + offs_d[:, None],
-                     mask=token_ok[None, :] & d_ok[:, None], other=0.0)
+                     mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         qk = tile_dot(q, kT, None, DOT_PRECISION) * qk_scale
         qk = tl.where(token_ok[None, :], qk, float("-inf"))
         # Each iterated block holds at least one token of the split, so m_new is finite.
@@ -110,7 +117,7 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_head + (pages * stride_vc_block + in_page * stride_vc_slot)[:, None] + offs_d[None, :],
-                    mask=token_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         acc = tile_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
@@ -205,7 +212,7 @@ def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     token_width = k.shape[1] * k.shape[2]
     _store_kv_kernel[(k.shape[0],)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), token_width,
+        v_cache.stride(0), v_cache.stride(1), token_width, k_cache.shape[0] * k_cache.shape[1],
         PAGE_SIZE=k_cache.shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
     )
 
@@ -228,7 +235,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
         vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
-        splits, scale * LOG2E,
+        splits, scale * LOG2E, k_cache.shape[0], block_tables.shape[1] * k_cache.shape[1],
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
         ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
@@ -291,15 +298,27 @@ def check_store_inputs(k: object, v: object, k_cache: object, v_cache: object, s
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_indices: bool | None = None,
 ) -> None:
     """Write token t's keys and values, k, v [tokens, kv_heads, head_dim], into cache slot
-    slot_mapping[t] = block · block_size + offset of k_cache, v_cache, in place. Slot -1 is skipped."""
+    slot_mapping[t] = block · block_size + offset of k_cache, v_cache, in place. Slot -1 is skipped,
+    and so is any other slot outside the cache (nothing is written out of bounds).
+
+    check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks slot_mapping
+    on the host first, a sync, and raises ValueError naming a slot outside the cache or repeated."""
     check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(2) != t.shape[3]:
             raise ValueError(f"{name} must hold each slot's heads side by side (stride {t.shape[3]} on dim 2), "
                              f"got strides {t.stride()}")
+    if indices.requested(check_indices, k_cache.device):
+        indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
     if k.shape[0] == 0:
         return
     # Each token's heads must be one contiguous run (true of a slice of a fused qkv projection).
@@ -316,6 +335,8 @@ def decode_attention(
     scale: float | None = None,
     max_seq_len: int | None = None,
     max_splits: int = 32,
+    *,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, q [batch, heads, head_dim], over its first
     seq_lens[i] cached tokens, found through block_tables [batch, max_blocks] (int32 block ids).
@@ -326,6 +347,12 @@ def decode_attention(
     CUDA graph and replayed with other lengths. max_seq_len only tunes the split count: longer
     sequences are still right. A sequence of length 0 gets zeros. Entries of block_tables past a
     sequence's length are never read.
+
+    Bad indices never make the kernel read outside its tensors: a length is clamped to
+    [0, the tokens a table row holds], and a block id outside the cache reads as zeros (the result
+    is then undefined). check_indices=True (default: the FUSELAB_CHECK_INDICES environment
+    variable) checks seq_lens and block_tables on the host first, a sync, and raises ValueError
+    naming the bad entry.
     """
     _check_caches(k_cache, v_cache)
     check_float_tensor("q", q)
@@ -355,6 +382,8 @@ def decode_attention(
     elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
         raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
     scale = resolve_scale(scale, head_dim)
+    if indices.requested(check_indices, q.device):
+        indices.check_paged_context(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if batch == 0:
         return torch.empty_like(q)
     if q.stride(2) != 1:
