@@ -84,3 +84,13 @@ def test_smoke_run_on_the_tiny_preset_writes_its_results(tmp_path, capsys):
     assert "TTFT p99 ms" in markdown and "| inf |" in markdown
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "output tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--num-requests", "0"], ["--prompt-len", "-5"], ["--len-spread", "-0.1"]])
+def test_bad_option_values_are_one_line_errors_before_any_work(argv, capsys):
+    from fuselab.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "serve", "--model", "tiny", *argv])
+    assert stop.value.code == 2
+    assert argv[0] in capsys.readouterr().err

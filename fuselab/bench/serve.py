@@ -27,7 +27,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fuselab.bench import command_line, fmt, markdown_table, write_json
+from fuselab.bench import command_line, fmt, markdown_table, non_negative_float, output_dir, positive_int, write_json
 from fuselab.device import device_info, has_cuda
 
 DEFAULT_RATES = [1.0, 4.0, 16.0, math.inf]
@@ -55,17 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rates", type=_rates, default=DEFAULT_RATES, metavar="R1,R2,...",
                         help="request arrival rates per second to sweep; inf sends every request at once "
                              "(default 1,4,16,inf)")
-    parser.add_argument("--num-requests", type=int, default=200, metavar="N", help="requests per rate (default 200)")
-    parser.add_argument("--prompt-len", type=int, default=256, metavar="N", help="prompt tokens, mean (default 256)")
-    parser.add_argument("--output-len", type=int, default=128, metavar="N", help="new tokens, mean (default 128)")
-    parser.add_argument("--len-spread", type=float, default=0.25, metavar="S",
+    parser.add_argument("--num-requests", type=positive_int, default=200, metavar="N", help="requests per rate (default 200)")
+    parser.add_argument("--prompt-len", type=positive_int, default=256, metavar="N", help="prompt tokens, mean (default 256)")
+    parser.add_argument("--output-len", type=positive_int, default=128, metavar="N", help="new tokens, mean (default 128)")
+    parser.add_argument("--len-spread", type=non_negative_float, default=0.25, metavar="S",
                         help="lengths are uniform in [mean * (1 - S), mean * (1 + S)] (default 0.25; 0: fixed)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, metavar="N",
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
                         help="the started server's running batch at most (default 256)")
     parser.add_argument("--mode", choices=("eager", "fused", "graphs"), default=None,
                         help="the started server's engine mode (default graphs on a GPU, eager on a CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths, prompts and arrivals (default 0)")
-    parser.add_argument("--out", default="benchmarks/results", metavar="DIR",
+    parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for serve.json, serve.md and serve.png (default benchmarks/results)")
 
 
