@@ -202,3 +202,15 @@ def test_load_through_a_small_cache_completes_every_request_as_if_alone(hf_model
     for prompt, p, out in zip(prompts, params, outputs):
         reference = alone.generate(prompt, p)[0].token_ids
         assert out.token_ids == reference if p.temperature else _same_up_to_a_tie(hf_model, prompt, out.token_ids, reference)
+
+
+def test_prefill_warm_up_meets_each_specialization_and_stores_nothing(llm):
+    from fuselab.engine.runner import prefill_warmup_lengths
+
+    assert prefill_warmup_lengths(100) == [1, 2, 16, 17, 32, 33, 64, 65]
+    assert prefill_warmup_lengths(1) == [1]
+    expected = [o.token_ids for o in llm.generate([[5, 6, 7]], GREEDY)]
+    before = [c.clone() for c in (*llm.kv_cache.k, *llm.kv_cache.v)]
+    llm.runner.warm_up_prefill(300)  # past max_model_len (128): several sequences of at most 128
+    assert all(torch.equal(a, b) for a, b in zip(before, (*llm.kv_cache.k, *llm.kv_cache.v)))
+    assert [o.token_ids for o in llm.generate([[5, 6, 7]], GREEDY)] == expected

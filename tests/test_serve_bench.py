@@ -59,6 +59,7 @@ def test_summary_statistics():
     assert row["request_throughput"] == 5 and row["output_throughput"] == 55 and row["total_token_throughput"] == 80
     assert row["ttft_ms_p50"] == pytest.approx(550) and row["ttft_ms_p99"] == pytest.approx(991)
     assert row["itl_ms_p50"] == pytest.approx(100) and row["tpot_ms_mean"] == pytest.approx(90)
+    assert [r["ttft_ms"] for r in row["slowest_ttft"]] == pytest.approx([1000, 900, 800, 700, 600])
     assert bench_serve.summarize(math.inf, [], 1.0)["request_rate"] == "inf"
 
 

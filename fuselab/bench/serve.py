@@ -32,7 +32,8 @@ from fuselab.device import device_info, has_cuda
 
 DEFAULT_RATES = [1.0, 4.0, 16.0, math.inf]
 CPU_MODELS = ("tiny",)  # what runs on a CPU: a smoke test of the load generator and the server
-STARTUP_TIMEOUT_S = 900  # loading an 8B checkpoint and capturing its CUDA graphs
+STARTUP_TIMEOUT_S = 900
+SLOWEST = 5  # requests of each rate's TTFT tail named in the JSON  # loading an 8B checkpoint and capturing its CUDA graphs
 
 
 def _rates(text: str) -> list[float]:
@@ -148,10 +149,13 @@ async def run_rate(base_url: str, model: str, requests: list[tuple[list[int], in
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             sent = time.perf_counter()
-            return {**await _request(client, base_url + "/v1/completions", body, sent), "prompt_tokens": len(prompt)}
+            return {**await _request(client, base_url + "/v1/completions", body, sent), "prompt_tokens": len(prompt),
+                    "arrival_s": at}
 
         results = await asyncio.gather(*(send(at, p, n) for at, (p, n) in
                                          zip(arrivals(rate, len(requests), seed), requests)))
+        for index, result in enumerate(results):
+            result["index"] = index
         duration = time.perf_counter() - start
     return summarize(rate, results, duration)
 
@@ -183,6 +187,9 @@ def summarize(rate: float, results: list[dict], duration_s: float) -> dict:
     for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("tpot_ms", tpot), ("e2e_ms", e2e)):
         row[f"{name}_mean"] = sum(values) / len(values) if values else None
         row[f"{name}_p50"], row[f"{name}_p99"] = _percentile(values, 50), _percentile(values, 99)
+    # The tail's requests by name: whether a slow first token is the first requests' (warm-up) or load's.
+    row["slowest_ttft"] = [{"index": r.get("index"), "arrival_s": r.get("arrival_s"), "prompt_tokens": r["prompt_tokens"],
+                            "ttft_ms": 1e3 * r["ttft"]} for r in sorted(ok, key=lambda r: -r["ttft"])[:SLOWEST]]
     return row
 
 

@@ -85,6 +85,8 @@ class LLM:
                                    engine_config.max_num_batched_tokens, self.max_model_len, eos_ids)
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device, engine_config.max_num_seqs,
                                   cuda_graphs=self.mode == "graphs")
+        if self.mode != "eager" and self.device.type == "cuda":
+            self.runner.warm_up_prefill(engine_config.max_num_batched_tokens)
         self._in_flight: StepOutput | None = None  # the step the GPU may still be running
         self._next_seq_id = 0
 

@@ -49,6 +49,16 @@ class DecodeInputs(NamedTuple):
 _FIELDS = len(DecodeInputs._fields) - 1  # the per-row fields, block tables aside
 
 
+def prefill_warmup_lengths(max_tokens: int) -> list[int]:
+    """1, 2, then each power of two from 16 and the length after it, up to max_tokens: lengths
+    that meet every specialization a prefill's kernels compile for (see warm_up_prefill)."""
+    lengths, p = [1, 2], 16
+    while p <= max_tokens:
+        lengths += [p, p + 1]
+        p *= 2
+    return [n for n in lengths if n <= max_tokens]
+
+
 class StepOutput:
     """A launched step's sampled tokens: on the device now, on the host once `token_ids()` returns."""
 
@@ -203,6 +213,33 @@ class ModelRunner:
             return self.decode_forward(self._stage_decode(seqs, len(seqs)))
         self._stage_decode(seqs, self.graphs.bucket_for(len(seqs)))
         return self.graphs.replay(len(seqs))
+
+    @torch.inference_mode()
+    def warm_up_prefill(self, max_tokens: int) -> None:
+        """Run a prefill of each length of `prefill_warmup_lengths`, storing nothing (slot -1), and
+        the logits of 1, 2, 16 and 17 sequences. Triton compiles a kernel anew for an int argument
+        of 1 or one divisible by 16, and launchers pick tiles by powers of two: unwarmed, the first
+        request of each kind waits 0.5-1.5 s for compiles while every request behind it queues."""
+        max_len, device = self.model.max_model_len, self.device
+        for n in prefill_warmup_lengths(max_tokens):
+            lens = [max_len] * (n // max_len) + ([n % max_len] if n % max_len else [])
+            bounds = [0]
+            for length in lens:
+                bounds.append(bounds[-1] + length)
+            attn = AttentionMetadata(
+                is_prefill=True,
+                positions=torch.cat([torch.arange(length, device=device) for length in lens]),
+                slot_mapping=torch.full((n,), -1, dtype=torch.int32, device=device),
+                cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
+                max_seqlen=max(lens),
+            )
+            h, residual = self.model(torch.zeros(n, dtype=torch.int64, device=device), attn)
+            last = torch.tensor(bounds[1:], device=device) - 1
+            self.model.greedy(self.model.compute_logits(h[last], residual[last]))
+        for rows in (1, 2, 16, 17):
+            h = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
+                            device=device)
+            self.model.greedy(self.model.compute_logits(h, h))
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:

@@ -137,6 +137,73 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _gemv_stream_kernel(
+    X, Wq, S, B, Y, N, K, n_words, stride_sn, magic, n_tiles,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, RUNS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # _gemv_kernel's tile and arithmetic, but a program walks tiles pid, pid + programs, ... and
+    # requests the next (tile, run) of W before it multiplies the current one: a few programs an SM
+    # keep W streaming through their compute, where a program a tile leaves each SM's loads idle
+    # while it reduces and the next program starts.
+    ELEMS: tl.constexpr = 16 * PER_WORD
+    RUN: tl.constexpr = GROUP // 16
+    BLOCK_W: tl.constexpr = 16 * BLOCK_B
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    steps = tl.cdiv(n_tiles - pid, programs) * RUNS
+    lanes = tl.arange(0, 16)
+    blocks = tl.arange(0, BLOCK_B)
+    offsets = (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
+    x_ptrs = X + blocks[:, None] * ELEMS + lanes[None, :]
+    tile_rows = tl.arange(0, BLOCK_N)
+    rows = tl.minimum(pid * BLOCK_N + tile_rows, N - 1)
+    w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
+    for i in range(0, steps):
+        nxt = tl.minimum(i + 1, steps - 1)
+        next_rows = tl.minimum((pid + (nxt // RUNS) * programs) * BLOCK_N + tile_rows, N - 1)
+        w_next = tl.load(Wq + next_rows[:, None, None].to(tl.int64) * n_words + offsets + (nxt % RUNS) * BLOCK_W)
+        rows = (pid + (i // RUNS) * programs) * BLOCK_N + tile_rows
+        row_ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+        k0 = (i % RUNS) * BLOCK_B * ELEMS
+        if FORMAT == 0:
+            s_ptrs = S + rows[:, None].to(tl.int64) * stride_sn + blocks[None, :] * (ELEMS // GROUP)
+        hi = _high_half(w, FORMAT)
+        for j in tl.static_range(PER_WORD):
+            if EVEN_K:
+                x = tl.load(x_ptrs + (k0 + j * 16))
+            else:
+                ks = k0 + j * 16 + blocks[:, None] * ELEMS + lanes[None, :]
+                x = tl.load(x_ptrs + (k0 + j * 16), mask=ks < K, other=0.0)
+            prod = _codes(w, hi, magic, j, FORMAT) * x.to(tl.float32)[None, :, :]
+            if FORMAT == 0:
+                if j % RUN == 0:
+                    part = prod
+                else:
+                    part += prod
+                if j % RUN == RUN - 1:
+                    s = tl.load(s_ptrs + (k0 + j * 16) // GROUP)
+                    acc += part * s.to(tl.float32)[:, :, None]
+            else:
+                acc += prod
+        if i % RUNS == RUNS - 1:
+            y = tl.sum(tl.sum(acc, axis=2), axis=1)
+            if FORMAT != 0:
+                y *= tl.load(S + rows)
+            if HAS_BIAS:
+                y += tl.load(B + rows).to(tl.float32)
+            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+            acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
+        w = w_next
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _operand(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
     """Code j as a tl.dot operand of DTYPE, exactly (integers up to 255 and e4m3 values fit bf16 and fp16)."""
     if FORMAT == 2 and DTYPE != tl.float32:
@@ -222,7 +289,8 @@ def _dequantize_kernel(
     for j in tl.static_range(PER_WORD):
         ks = (words // 16) * ELEMS + j * 16 + words % 16
         if FORMAT == 0:
-            s = tl.load(S + rows[:, None] * stride_sn + (ks // GROUP)[None, :], mask=row_ok[:, None], other=0.0)
+            s = tl.load(S + rows[:, None] * stride_sn + (ks // GROUP)[None, :],
+                        mask=row_ok[:, None] & (words < n_words)[None, :], other=0.0)
         v = _codes(w, hi, magic, j, FORMAT) * s.to(tl.float32)
         tl.store(Out + rows[:, None].to(tl.int64) * K + ks[None, :], v.to(Out.dtype.element_ty),
                  mask=row_ok[:, None] & (ks < K)[None, :])
@@ -287,6 +355,21 @@ def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, EVEN_K=k % block_elements(weight.fmt) == 0,
         USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
+    )
+
+
+def _launch_gemv_stream(x2, weight, bias, y2, config) -> None:
+    """_gemv_stream_kernel with config (BLOCK_N, BLOCK_B, num_warps, programs per SM)."""
+    n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
+    block_n, block_b, num_warps, per_sm = config
+    n_tiles = cdiv(n, block_n)
+    pdl = use_pdl(x2.device)
+    _gemv_stream_kernel[(min(n_tiles, per_sm * sm_count(x2.device)),)](
+        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
+        weight.scales.stride(0), MAGIC, n_tiles,
+        FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )
 
 
