@@ -66,6 +66,19 @@ def test_the_gemv_steps_several_runs_and_masks_a_partial_last_block(device, monk
         ql.gemv_config.cache_clear()
 
 
+@pytest.mark.parametrize("fmt, group", FORMATS)
+def test_a_gemv_program_walks_several_tiles_and_runs(device, fmt, group):
+    # One program (programs per SM 1, on a one-SM grid at most 4): 19 rows in 2-row tiles, each of
+    # several one-block runs, the last tile partial; bias and a row not a multiple of the block.
+    k = 3 * ql.block_elements(fmt) + 5
+    x, weight, bias = (_randn((1, k), torch.float32, device, 5), _weight(fmt, group, 19, k, device, 6),
+                       _randn((19,), torch.float32, device, 7))
+    for config in ((2, 1, 1, 1), (4, 1, 1, 2), (8, 2, 1, 1)):
+        y = torch.empty(1, 19, device=device)
+        ql._launch_gemv(x, weight, bias, y, config=config)
+        assert_close(y, x.double() @ dequantize(weight).t() + bias.double(), torch.float32, scale=4.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt, group", FORMATS)
 @pytest.mark.parametrize("m", [2, 5, 17])

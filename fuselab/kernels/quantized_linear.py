@@ -4,9 +4,9 @@ dequantization fused into the product; activations and output in float32, bfloat
 Decode reads each weight once per step, so a quantized weight is read as packed words and
 dequantized in registers, never written back. Three paths, by rows of x (M):
 
-- M <= GEMV_MAX_ROWS: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program takes a few rows of W
-  and whole-row runs of 16-byte word loads (its first run requested before it waits for the kernel
-  before, and the next run before the current one is used), so every SM streams weights.
+- M <= GEMV_MAX_ROWS: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program walks tiles of a few
+  rows of W in runs of 16-byte word loads (its first run requested before it waits for the kernel
+  before, and each next run before the current one is used), so every SM streams weights.
 - M <= FUSED_MAX_ROWS: `_mma_kernel`, the dequantized block fed to tl.dot as the left operand
   (y^T = W · x^T, so a few rows of x fill the MMA's narrow side).
 - larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
@@ -76,76 +76,16 @@ def _codes(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, Wq, S, B, Y, N, K, n_words, stride_sn, magic,
-    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # A program: BLOCK_N rows of W, a run of BLOCK_B 16-word blocks of each at a time, the tile
-    # [BLOCK_N, BLOCK_B, 16] so that a thread's 4 words (one 16-byte load) share a scale group and
-    # reuse the x values it loads for every one of its rows.
-    ELEMS: tl.constexpr = 16 * PER_WORD
-    RUN: tl.constexpr = GROUP // 16  # int4: chunks of 16 elements that share a scale
-    BLOCK_W: tl.constexpr = 16 * BLOCK_B
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows = tl.minimum(rows, N - 1)  # a last partial tile re-reads row N - 1: no masked weight loads
-    blocks = tl.arange(0, BLOCK_B)
-    lanes = tl.arange(0, 16)
-    w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
-    x_ptrs = X + blocks[:, None] * ELEMS + lanes[None, :]  # code 0 of each word; code j is 16·j further
-    if FORMAT == 0:
-        s_ptrs = S + rows[:, None].to(tl.int64) * stride_sn + blocks[None, :] * (ELEMS // GROUP)
-    # The weights do not depend on the kernel before: with PDL the first run is read while it ends.
-    w = tl.load(w_ptrs)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
-    acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
-    last = n_words - BLOCK_W
-    for w0 in range(0, n_words, BLOCK_W):
-        # Two runs of W in flight: the next is requested before this one is used (the last run
-        # requests itself again rather than a masked load).
-        w_next = tl.load(w_ptrs + tl.minimum(w0 + BLOCK_W, last))
-        k0 = (w0 // 16) * ELEMS
-        hi = _high_half(w, FORMAT)
-        for j in tl.static_range(PER_WORD):
-            if EVEN_K:
-                x = tl.load(x_ptrs + (k0 + j * 16))
-            else:
-                ks = k0 + j * 16 + blocks[:, None] * ELEMS + lanes[None, :]
-                x = tl.load(x_ptrs + (k0 + j * 16), mask=ks < K, other=0.0)
-            prod = _codes(w, hi, magic, j, FORMAT) * x.to(tl.float32)[None, :, :]
-            if FORMAT == 0:
-                # A group's chunks are summed, then scaled once.
-                if j % RUN == 0:
-                    part = prod
-                else:
-                    part += prod
-                if j % RUN == RUN - 1:
-                    s = tl.load(s_ptrs + (k0 + j * 16) // GROUP)
-                    acc += part * s.to(tl.float32)[:, :, None]
-            else:
-                acc += prod
-        w = w_next
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    y = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if FORMAT != 0:
-        y *= tl.load(S + rows)
-    if HAS_BIAS:
-        y += tl.load(B + rows).to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def _gemv_stream_kernel(
     X, Wq, S, B, Y, N, K, n_words, stride_sn, magic, n_tiles,
     FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, RUNS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # _gemv_kernel's tile and arithmetic, but a program walks tiles pid, pid + programs, ... and
+    # A tile: BLOCK_N rows of W, a run of BLOCK_B 16-word blocks of each at a time, [BLOCK_N,
+    # BLOCK_B, 16] so that a thread's 4 words (one 16-byte load) share a scale group and reuse the x
+    # values it loads for every one of its rows. A program walks tiles pid, pid + programs, ... and
     # requests the next (tile, run) of W before it multiplies the current one: a few programs an SM
-    # keep W streaming through their compute, where a program a tile leaves each SM's loads idle
-    # while it reduces and the next program starts.
+    # keep W streaming through their compute (a program a tile left the loads idle while it reduced
+    # and the next program started).
     ELEMS: tl.constexpr = 16 * PER_WORD
     RUN: tl.constexpr = GROUP // 16
     BLOCK_W: tl.constexpr = 16 * BLOCK_B
@@ -305,28 +245,24 @@ def _dequantize_kernel(
 # once a product has that many rows to reuse it). scripts/tune-quant-gemv measures the crossovers.
 GEMV_MAX_ROWS = 1
 FUSED_MAX_ROWS = 256
-# A warp reads 128 words of a row per load (4 a thread): a run of 32 blocks (512 words, a whole
-# 4096-wide int4 row) is 4 warps' worth. Every thread reuses each x value it loads for all of its
-# program's rows: 8 rows keep that reuse at 8x (166 registers); 4 when 8 leave few programs per SM.
-GEMV_MAX_RUN_BLOCKS = 32
-GEMV_ROWS = 8
+# The GEMV's tile: 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM:
+# within a few percent of the fastest of 18 configurations at every Llama 3 8B projection and format.
+GEMV_ROWS = 4
+GEMV_MAX_RUN_BLOCKS = 16
+GEMV_PROGRAMS_PER_SM = 8
 MAGIC = 0x4B000000  # fp32 2^23: OR-ed with a code of up to 23 bits it is the float 2^23 + code
 MMA_NUM_STAGES = 3
 
 
 @functools.lru_cache(maxsize=1024)
-def gemv_config(n: int, n_words: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_B, num_warps): the longest run of blocks up to GEMV_MAX_RUN_BLOCKS that
-    divides the row (so that no run is masked), a warp per 8 blocks of it, and GEMV_ROWS rows a
-    program, halved while that leaves fewer than 4 programs per SM."""
+def gemv_config(n_words: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_B, num_warps, programs per SM): the longest run of blocks up to
+    GEMV_MAX_RUN_BLOCKS that divides the row (so that no run is masked), a warp per 8 blocks."""
     blocks = n_words // BLOCK_WORDS
     block_b = 1
     while block_b < GEMV_MAX_RUN_BLOCKS and blocks % (2 * block_b) == 0:
         block_b *= 2
-    block_n = GEMV_ROWS
-    while block_n > 1 and cdiv(n, block_n) < 4 * sms:
-        block_n //= 2
-    return block_n, block_b, max(1, block_b // 8)
+    return GEMV_ROWS, block_b, max(1, block_b // 8), GEMV_PROGRAMS_PER_SM
 
 
 @functools.lru_cache(maxsize=1024)
@@ -347,24 +283,10 @@ def mma_config(m: int, n: int, n_words: int, fmt: str, sms: int) -> tuple[int, i
 
 def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
     n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
-    block_n, block_b, num_warps = config or gemv_config(n, n_words, sm_count(x2.device))
-    pdl = use_pdl(x2.device)
-    _gemv_kernel[(cdiv(n, block_n),)](
-        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
-        weight.scales.stride(0), MAGIC,
-        FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, EVEN_K=k % block_elements(weight.fmt) == 0,
-        USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
-    )
-
-
-def _launch_gemv_stream(x2, weight, bias, y2, config) -> None:
-    """_gemv_stream_kernel with config (BLOCK_N, BLOCK_B, num_warps, programs per SM)."""
-    n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
-    block_n, block_b, num_warps, per_sm = config
+    block_n, block_b, num_warps, per_sm = config or gemv_config(n_words)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
-    _gemv_stream_kernel[(min(n_tiles, per_sm * sm_count(x2.device)),)](
+    _gemv_kernel[(min(n_tiles, per_sm * sm_count(x2.device)),)](
         x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
         weight.scales.stride(0), MAGIC, n_tiles,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
@@ -388,6 +310,31 @@ def _launch_mma(x2, weight, bias, y2, config=None, num_stages=MMA_NUM_STAGES) ->
         PRECISION="ieee" if x2.dtype == torch.float32 or interpreted_bf16 else "tf32", DOT_FP32=interpreted_bf16,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _fp8_byte_order(k_padded: int, device: torch.device) -> torch.Tensor:
+    """The element of x each byte of a packed fp8 row multiplies: byte 4·i + j of a block holds
+    element 16·j + i (quant_pack's layout), so x gathered in this order meets the weight's bytes
+    read as a plain [N, K] float8 matrix."""
+    p = torch.arange(k_padded, device=device)
+    block, word, code = p // 64, (p % 64) // 4, p % 4
+    return block * 64 + code * 16 + word
+
+
+def fp8_scaled_mm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor) -> None:
+    """W8A8 on the tensor cores: x quantized to e4m3 per row (dynamic scale), the packed weight
+    read in place as float8 [N, K] with x's columns in its byte order, torch._scaled_mm with the
+    weight's per-channel scales. CUDA only (Hopper's fp8 MMA)."""
+    k_padded = weight.data.shape[1] * 4
+    x = x2 if k_padded == x2.shape[1] else torch.nn.functional.pad(x2, (0, k_padded - x2.shape[1]))
+    x = x.index_select(1, _fp8_byte_order(k_padded, x.device))
+    x_scale = x.abs().amax(dim=1, keepdim=True).float().div_(448.0).clamp_(min=1e-12)
+    xq = (x / x_scale).to(torch.float8_e4m3fn)
+    w = weight.data.view(torch.float8_e4m3fn)
+    out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=weight.scales.view(1, -1), bias=bias,
+                           out_dtype=y2.dtype)
+    y2.copy_(out)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
