@@ -47,6 +47,7 @@ def _result() -> dict:
                  kernels_per_step=200.0 / (i + 1), compile_s=None if m != "graphs" else 1.5, roofline_tok_s=1700.0 * b,
                  bandwidth_pct=100 * 100.0 * (i + 1) / (1700.0 * b))
             for i, m in enumerate(bench_decode.MODES) for b in (1, 8)]
+    rows[2]["logits_vs_hf"] = {"max_rel_diff": 3e-3, "argmax_agreement": 0.995}
     parts = {p: {"us": 10.0, "share": 0.2} for p in bench_decode.BREAKDOWN}
     doctor = {"graphs": dict(verdict="memory-bound", wall_us_per_step=700.0, kernels_per_step=180, syncs_per_step=0,
                              gpu_busy_pct=95.0, breakdown=parts, first_fix=None)}
@@ -62,7 +63,7 @@ def test_markdown_plot_and_table_render(tmp_path, capsys):
     result = _result()
     bench_decode.write_markdown(result, tmp_path / "decode.md")
     text = (tmp_path / "decode.md").read_text()
-    assert "| graphs | 8 | 500.0 | 4% |" in text and "memory-bound" in text and "`fuselab bench decode`" in text
+    assert "| graphs | 8 | 600.0 | 4% |" in text and "same top token at 99.5% of positions" in text and "memory-bound" in text and "`fuselab bench decode`" in text
     bench_decode.write_plot(result, tmp_path / "decode.png")
     assert (tmp_path / "decode.png").stat().st_size > 0
     bench_decode.print_table(result)
@@ -111,3 +112,12 @@ def test_hf_compile_uses_transformers_own_compile_path(monkeypatch):
     assert seen == [model] and model.forward == forward
     assert model.generation_config.cache_implementation == "static"
     assert model.generation_config.compile_config.mode == "reduce-overhead"
+
+
+def test_hf_patch_compares_the_patched_logits_with_the_model_before():
+    from engine_checkpoints import build_hf_model
+
+    model = build_hf_model("llama3")
+    got = bench_decode.patch_and_compare(model, 12)
+    assert any(type(m).__name__ == "FusedRMSNorm" for m in model.modules())
+    assert got["argmax_agreement"] == 1.0 and 0 < got["max_rel_diff"] < 1e-4

@@ -4,6 +4,8 @@ For a Llama shape with random weights (bf16, nothing downloaded), a prompt of --
 and --new-tokens greedy new tokens per sequence, at each batch size:
 
 - hf: Hugging Face transformers, eager `generate`;
+- hf-patch: the same model after `fuselab.patch` (its norms and MLP activation through fuselab's
+  kernels), eager `generate`; its logits on the prompt are checked against hf's first;
 - hf-compile: transformers with a static cache and torch.compile(mode="reduce-overhead") (its
   own fast path); its first call per batch size is compilation and timed apart;
 - eager, fused, graphs: the fuselab engine in each mode.
@@ -38,8 +40,8 @@ from fuselab.bench.graphs import count_launches
 from fuselab.device import ceilings, device_info, has_cuda
 
 PRESETS = ("llama3-1b", "llama3-8b")
-MODES = ("hf", "hf-compile", "eager", "fused", "graphs")
-HF_MODES = ("hf", "hf-compile")
+MODES = ("hf", "hf-patch", "hf-compile", "eager", "fused", "graphs")
+HF_MODES = ("hf", "hf-patch", "hf-compile")
 BATCH_SWEEP = [1, 8, 64, 256]
 DTYPE = torch.bfloat16
 # The doctor's step is one engine step drawn from a long stream: enough tokens for its warm-up,
@@ -287,8 +289,25 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
+@torch.no_grad()
+def patch_and_compare(model, prompt_len: int) -> dict:
+    """fuselab.patch(model), and how its logits on one prompt compare with the unpatched model's:
+    the largest difference over the largest logit, and how often the two pick the same token."""
+    import fuselab
+
+    ids = torch.tensor(_prompts(1, prompt_len, model.config.vocab_size), device=model.device)
+    before = model(ids).logits.float()
+    fuselab.patch(model)
+    after = model(ids).logits.float()
+    return {"max_rel_diff": ((after - before).abs().max() / before.abs().max()).item(),
+            "argmax_agreement": (after.argmax(-1) == before.argmax(-1)).float().mean().item()}
+
+
 def _measure_hf_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict) -> None:
     model = build_hf(args.preset)
+    extra = {}
+    if mode == "hf-patch":
+        extra["logits_vs_hf"] = patch_and_compare(model, args.prompt_len)
     if mode == "hf-compile":
         # transformers' own fast path: with a static cache, generate compiles the decoding forward
         # itself (its CompileConfig, reduce-overhead). Compiling model.forward on top of that nests
@@ -298,7 +317,7 @@ def _measure_hf_mode(mode: str, args: argparse.Namespace, rows: list[dict], doct
         model.generation_config.cache_implementation = "static"
         model.generation_config.compile_config = CompileConfig(mode="reduce-overhead")
     for batch in args.batch_sizes:
-        rows.append(measure_hf(mode, model, batch, args))
+        rows.append({**measure_hf(mode, model, batch, args), **extra})
         print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
     if mode == "hf" and not args.quick:
         batch = min(args.batch_sizes)
@@ -429,6 +448,11 @@ def write_markdown(result: dict, path: Path) -> None:
     ]
     lines += [f"- {mode} failed, so it has no rows (or only those before the failure): {err}"
               for mode, err in result.get("failed", {}).items()]
+    patched = next((r["logits_vs_hf"] for r in result["rows"] if "logits_vs_hf" in r), None)
+    if patched:
+        lines.append(f"- hf-patch's logits on the prompt against hf's: largest difference "
+                     f"{patched['max_rel_diff']:.2e} of the largest logit, same top token at "
+                     f"{100 * patched['argmax_agreement']:.1f}% of positions")
     lines += decode_quant.quality_markdown(result)
     if result["doctor"]:
         lines += ["", f"## The doctor on one decode step, batch {result['config']['doctor_batch']}", "",
