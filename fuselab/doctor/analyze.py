@@ -30,7 +30,7 @@ from fuselab.doctor.idle import Gap, Timeline, busy_by_kind, split_off_overhead,
 from fuselab.doctor.precision import FP32_PRECISION_MARK, tf32_allowed
 from fuselab.doctor.roofline import KernelCost, kernel_costs
 from fuselab.doctor.syncs import SYNC_APIS, STEP_BOUNDARY, Sync, find_syncs
-from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
+from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, gc_paused, load_trace
 
 
 @dataclass
@@ -278,4 +278,5 @@ def analyze_file(
         raise TypeError(f"ceilings must be a fuselab.device.Ceilings, got {type(ceilings).__name__}")
     (on_stage or (lambda stage: None))("reading trace")
     trace = load_trace(path)
-    return analyze(trace, ceilings or measured_ceilings(probe), skip_steps=skip_steps, on_stage=on_stage)
+    with gc_paused():  # the analysis, too, makes many objects and no cycles
+        return analyze(trace, ceilings or measured_ceilings(probe), skip_steps=skip_steps, on_stage=on_stage)
