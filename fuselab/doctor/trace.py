@@ -64,6 +64,11 @@ class GpuEvent:
         return self.kind == "memcpy" and "DtoH" in self.name
 
 
+def is_communication(event: GpuEvent) -> bool:
+    """NCCL's kernels (ncclDevKernel_AllReduce..., ncclKernel_...): the GPU moving data between GPUs."""
+    return event.kind == "kernel" and event.name.removeprefix("void ").lower().startswith("nccl")
+
+
 @dataclass(slots=True)
 class RuntimeCall:
     """A CUDA runtime or driver API call on a host thread (cudaLaunchKernel, cudaStreamSynchronize, ...)."""
