@@ -184,3 +184,27 @@ def test_workload_records_a_plain_profiler_schedule(tmp_path, workload_process):
     trace = load_trace(tmp_path / "plain.json.gz")
     assert [s.name for s in trace.steps] == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]  # wait 1, warmup 1, active 3
     assert not [a for a in trace.annotations if a.name == "fuselab.doctor.step_boundary"]  # no sync at step ends
+
+
+def _recorded(name: str) -> bool:
+    return name in _labels() and all((FIXTURES / f"{name}.{mode}.json.gz").is_file() for mode in ("script", "plain"))
+
+
+@pytest.mark.parametrize("mode", ["script", "plain"])
+def test_tf32_only_where_float32_gemms_are_limited_by_their_math(mode):
+    if not (_recorded("adamw_fused") and _recorded("host_ahead_fp32_matmul")):
+        pytest.skip(NOT_RECORDED)
+    small, _ = _diagnosis("adamw_fused", mode)  # 64 x 512 x 512 float32 GEMMs, at 8-20% of the float32 rate
+    assert any(c.precision == "fp32" and c.bound == "compute" for c in small.analysis.costs)
+    assert "tf32" not in {f.rule for f in small.fixes}
+    large, _ = _diagnosis("host_ahead_fp32_matmul", mode)  # 8192^2 float32 GEMMs at the float32 rate
+    assert "tf32" in {f.rule for f in large.fixes}
+
+
+@pytest.mark.skipif(not RECORDED, reason=NOT_RECORDED)
+@pytest.mark.parametrize("name, mode", RECORDED, ids=[f"{n}-{m}" for n, m in RECORDED])
+def test_each_fix_is_listed_once(name, mode):
+    d, _ = _diagnosis(name, mode)
+    actions = [f.action for f in d.fixes]
+    assert len(actions) == len(set(actions)), actions
+    assert [f.rule for f in d.fixes].count("optimizer") <= 1, actions  # one optimizer, one fused-optimizer fix

@@ -20,6 +20,9 @@ from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.trace import CpuOp, is_communication
 
 IDLE_PARTS = ("launch_gaps", "sync_stalls", "other_idle")
+# A float32 GEMM this far below the float32 (CUDA-core) rate is held up by something other than its
+# math (too small to fill the GPU, or its launch), which TF32's tensor cores do not shorten.
+FP32_MATH_BOUND_PCT = 30.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ class StepSummary:
     compute_pct: float | None  # time-weighted % of ceiling of the compute-bound kernels (each against its precision's)
     memory_pct: float | None
     compute_ceilings: dict[str, float]  # precision -> TFLOP/s ceiling, of the compute-bound matrix kernels
-    gemm_us: dict[str, float]  # precision -> compute-bound matrix-multiply kernel time per step
+    gemm_us: dict[str, float]  # precision -> compute-bound matrix-multiply kernel time per step (fp32: of those at
+    # FP32_MATH_BOUND_PCT of the fp32 ceiling or more, the ones TF32 speeds up)
     longest_launch_gap_us: float
     stalled_in: CpuOp | None  # the innermost host op that ran through most of the longest launch gap
 
@@ -73,7 +77,7 @@ def _roofline_pct(analysis: Analysis, bound: str) -> float | None:
 
 def _matrix_kernels(analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
     """Per precision, over the compute-bound matrix-multiply kernels (the ones a faster precision speeds up):
-    their time per step, and their ceiling."""
+    their time per step, and their ceiling. float32 ones count only at FP32_MATH_BOUND_PCT of their ceiling or more."""
     gemm_us: dict[str, float] = {}
     ceilings: dict[str, float] = {}
     for indices in analysis.step_events:
@@ -81,8 +85,9 @@ def _matrix_kernels(analysis: Analysis) -> tuple[dict[str, float], dict[str, flo
             c = analysis.costs[i]
             if c.precision is None or c.bound != "compute":
                 continue
-            gemm_us[c.precision] = gemm_us.get(c.precision, 0.0) + c.dur_us / len(analysis.steps)
             ceilings[c.precision] = c.tflops_ceiling
+            if c.precision != "fp32" or (c.pct_of_ceiling or 0.0) >= FP32_MATH_BOUND_PCT:
+                gemm_us[c.precision] = gemm_us.get(c.precision, 0.0) + c.dur_us / len(analysis.steps)
     return gemm_us, ceilings
 
 
