@@ -104,3 +104,32 @@ def test_each_kernel_belongs_to_one_chain(tmp_path):
 
 def test_torchs_fused_optimizer_is_not_offered_a_fused_optimizer():
     assert fix_for(("_foreach_add_", "_fused_adamw_"), 3.0, optimizer="AdamW").rule != "optimizer"
+
+
+BACKWARD_TAIL = ("aten::sum", "aten::native_layer_norm_backward", "aten::add_", "aten::embedding_dense_backward")
+
+
+def _backward_then_adamw(steps: int = 3, params: int = 6) -> dt.TraceBuilder:
+    """adamw_loop with the end of a backward pass running straight into the optimizer's step on the GPU:
+    BACKWARD_TAIL launched just before the optimizer range, its kernels back to back with the update's."""
+    b = dt.TraceBuilder()
+    for n in range(steps):
+        s = 2000.0 * n
+        b.step(n, s, 1200.0)
+        for j, name in enumerate(BACKWARD_TAIL):
+            b.launch(name, s + 10 * j, s + 7 + 10 * j, 2.0, [[256, 256], [256, 256]], ["float", "float"])
+        b.annotation("Optimizer.step#AdamW.step", s + 195, 10.0 * params * len(dt.ADAMW_UPDATE) + 10)
+        for i in range(params * len(dt.ADAMW_UPDATE)):
+            name = dt.ADAMW_UPDATE[i % len(dt.ADAMW_UPDATE)]
+            b.launch(name, s + 200 + 10 * i, s + 207 + 10 * i, 2.0, [[256, 256], [256, 256]], ["float", "float"])
+    return b
+
+
+def test_no_chain_crosses_into_the_optimizers_step(tmp_path):
+    d = diagnose_built(_backward_then_adamw(), tmp_path)
+    optimizer_chains = [c for c in d.analysis.fusion if c.rule == "optimizer"]
+    assert [c.labels for c in optimizer_chains] == [ADAMW_LABELS]
+    backward = {name.removeprefix("aten::") for name in BACKWARD_TAIL} - set(ADAMW_LABELS)
+    assert not [c.labels for c in d.analysis.fusion if c.optimizer and backward & set(c.labels)]
+    rules = [f.rule for f in d.fixes]
+    assert rules.count("optimizer") == 1, [f.to_dict() for f in d.fixes]

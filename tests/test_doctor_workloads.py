@@ -113,6 +113,16 @@ def test_workload_numbers(name, mode):
         assert label["optimizer"] in {c.optimizer for c in d.analysis.fusion if c.rule == "optimizer"}
     if "max_launch_gap_share" in label:
         assert d.breakdown["launch_gaps"]["share"] <= label["max_launch_gap_share"], d.evidence
+    streams = d.views.streams
+    if "streams" in label:
+        assert len(streams.rows) >= label["streams"], [r.to_dict() for r in streams.rows]
+    if "copy_under_compute" in label:
+        assert streams.copy_us > 0 and streams.copy_compute_overlap_us >= label["copy_under_compute"] * streams.copy_us
+    for part in label.get("parts", []):
+        assert d.breakdown.get(part, {}).get("us", 0.0) > 0, d.breakdown
+    phases = {r.path[0]: r.gpu_us_per_step for r in d.views.regions.phases}
+    for phase in label.get("regions", []):
+        assert phases.get(phase, 0.0) > 0, phases
 
 
 def _driver():
@@ -184,3 +194,67 @@ def test_workload_records_a_plain_profiler_schedule(tmp_path, workload_process):
     trace = load_trace(tmp_path / "plain.json.gz")
     assert [s.name for s in trace.steps] == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]  # wait 1, warmup 1, active 3
     assert not [a for a in trace.annotations if a.name == "fuselab.doctor.step_boundary"]  # no sync at step ends
+
+
+def _recorded(name: str) -> bool:
+    return name in _labels() and all((FIXTURES / f"{name}.{mode}.json.gz").is_file() for mode in ("script", "plain"))
+
+
+@pytest.mark.parametrize("mode", ["script", "plain"])
+def test_tf32_only_where_float32_gemms_are_limited_by_their_math(mode):
+    if not (_recorded("adamw_fused") and _recorded("host_ahead_fp32_matmul")):
+        pytest.skip(NOT_RECORDED)
+    small, _ = _diagnosis("adamw_fused", mode)  # 64 x 512 x 512 float32 GEMMs, at 8-20% of the float32 rate
+    assert any(c.precision == "fp32" and c.bound == "compute" for c in small.analysis.costs)
+    assert "tf32" not in {f.rule for f in small.fixes}
+    large, _ = _diagnosis("host_ahead_fp32_matmul", mode)  # 8192^2 float32 GEMMs at the float32 rate
+    assert "tf32" in {f.rule for f in large.fixes}
+
+
+@pytest.mark.skipif(not RECORDED, reason=NOT_RECORDED)
+@pytest.mark.parametrize("name, mode", RECORDED, ids=[f"{n}-{m}" for n, m in RECORDED])
+def test_each_fix_is_listed_once(name, mode):
+    d, _ = _diagnosis(name, mode)
+    actions = [f.action for f in d.fixes]
+    assert len(actions) == len(set(actions)), actions
+    assert [f.rule for f in d.fixes].count("optimizer") <= 1, actions  # one optimizer, one fused-optimizer fix
+
+
+# The workloads for several streams, a training step's phases and NCCL: each checked for what it is there
+# to show, beside the generic label checks above. They skip until recorded on a GPU.
+
+
+def _both_modes(name: str):
+    if not _recorded(name):
+        pytest.skip(f"{name} is not recorded yet: on a GPU machine run `PYTHONPATH=. python3 "
+                    f"scripts/record-doctor-workloads tests/fixtures/doctor/workloads --only {name}`")
+    return [_diagnosis(name, mode)[0] for mode in ("script", "plain")]
+
+
+def test_two_streams_overlap_hides_the_copy_under_compute():
+    script, plain = _both_modes("two_streams_overlap")
+    assert script.verdict == "compute-bound", script.evidence
+    for d in (script, plain):
+        s = d.views.streams
+        assert len({(r.device, r.stream) for r in s.rows}) >= 2
+        assert s.copy_us > 0 and s.copy_compute_overlap_us >= 0.8 * s.copy_us, s.to_dict()
+        rules = {f.rule for f in d.fixes}
+        assert not rules & {"pageable-copy", "blocking-copy", "sync"}, rules
+
+
+def test_train_backward_has_its_three_phases():
+    for d in _both_modes("train_backward"):
+        phases = {r.path[0]: r for r in d.views.regions.phases}
+        for phase in ("forward", "backward", "optimizer"):
+            assert phase in phases and phases[phase].gpu_us_per_step > 0, list(phases)
+            assert phases[phase].kernels_per_step >= 1
+
+
+def test_nccl_kernels_are_communication_in_the_recorded_run():
+    for d in _both_modes("nccl_allreduce"):
+        comm = d.breakdown.get("communication")
+        assert comm is not None and comm["us"] > 0 and comm["calls"] >= 1, d.breakdown
+        rows = [k for k in d.views.kernels if k.bound == "communication"]
+        assert rows and all(k.name.removeprefix("void ").lower().startswith("nccl") for k in rows)
+        assert d.views.streams.communication_us > 0
+        assert any(line.startswith("communication (NCCL kernels)") for line in d.evidence)

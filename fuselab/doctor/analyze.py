@@ -8,7 +8,7 @@ work; the workload's host work ends where the doctor's step-boundary wait begins
 wait costs once the GPU is done (closing the ranges) is the profiler's. Idle time during which the
 profiler itself held the host up (its "overhead" events) is left out of the step too. Every other
 microsecond is either GPU busy time (split into compute- and memory-bound kernel time by the
-roofline, and copies) or an idle gap, split by cause: sync stall, launch gap, other idle (idle.py).
+roofline, NCCL communication kernels, and copies) or an idle gap, split by cause: sync stall, launch gap, other idle (idle.py).
 
 Kernels replayed from a CUDA graph have no launch of their own, so launch delays are measured on
 individually launched work only, and the sequences offered for fusion are made of it alone.
@@ -30,7 +30,7 @@ from fuselab.doctor.idle import Gap, Timeline, busy_by_kind, split_off_overhead,
 from fuselab.doctor.precision import FP32_PRECISION_MARK, tf32_allowed
 from fuselab.doctor.roofline import KernelCost, kernel_costs
 from fuselab.doctor.syncs import SYNC_APIS, STEP_BOUNDARY, Sync, find_syncs
-from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, load_trace
+from fuselab.doctor.trace import CpuOp, RuntimeCall, Span, Trace, gc_paused, is_communication, load_trace
 
 
 @dataclass
@@ -50,6 +50,8 @@ class StepStats:
     compute_us: float  # busy time in compute-bound kernels
     memory_us: float  # busy time in memory-bound kernels and memsets
     copy_us: float  # busy time in memcpy
+    communication_us: float  # busy time in NCCL kernels
+    communication_kernels: int  # NCCL kernels (counted in `kernels` too)
     launch_gap_us: float
     graph_launch_gap_us: float  # the part of launch_gap_us spent waiting for a graph replay to be launched
     sync_stall_us: float
@@ -137,8 +139,9 @@ def _graph_replayed(trace: Trace, call_of: dict[int, RuntimeCall]) -> list[bool]
 
 
 def _work_kinds(trace: Trace, costs: list[KernelCost]) -> list[str]:
-    """What each GPU event's time counts as in the breakdown: "compute", "memory" or "copy"."""
-    return ["copy" if g.kind == "memcpy" else c.bound for g, c in zip(trace.gpu, costs)]
+    """What each GPU event's time counts as in the breakdown: "compute", "memory", "communication" or "copy"."""
+    return ["copy" if g.kind == "memcpy" else "communication" if is_communication(g) else c.bound
+            for g, c in zip(trace.gpu, costs)]
 
 
 def _busy_split(timeline: Timeline, start: float, end: float, kinds: list[str], busy: float) -> dict[str, float]:
@@ -146,7 +149,7 @@ def _busy_split(timeline: Timeline, start: float, end: float, kinds: list[str], 
     by_kind = busy_by_kind(timeline, start, end, kinds)
     total = sum(by_kind.values())
     scale = busy / total if total > 0 else 0.0
-    return {kind: by_kind.get(kind, 0.0) * scale for kind in ("compute", "memory", "copy")}
+    return {kind: by_kind.get(kind, 0.0) * scale for kind in ("compute", "memory", "communication", "copy")}
 
 
 def _step_stats(
@@ -179,6 +182,7 @@ def _step_stats(
         gpu_busy_us=busy, gpu_busy_pct=100 * busy / wall if wall > 0 else 0.0, kernels=len(kernel_durs),
         copies=len(events) - len(kernel_durs), median_kernel_us=statistics.median(kernel_durs) if kernel_durs else 0.0,
         compute_us=split["compute"], memory_us=split["memory"], copy_us=split["copy"],
+        communication_us=split["communication"], communication_kernels=sum(map(is_communication, events)),
         launch_gap_us=idle["launch"], graph_launch_gap_us=graph_launch_gap, sync_stall_us=idle["sync"], other_idle_us=idle["other"],
         launches=launches, launches_per_s=launches / host_us * 1e6 if host_us > 0 else 0.0,
         launch_delay_us={
@@ -278,4 +282,5 @@ def analyze_file(
         raise TypeError(f"ceilings must be a fuselab.device.Ceilings, got {type(ceilings).__name__}")
     (on_stage or (lambda stage: None))("reading trace")
     trace = load_trace(path)
-    return analyze(trace, ceilings or measured_ceilings(probe), skip_steps=skip_steps, on_stage=on_stage)
+    with gc_paused():  # the analysis, too, makes many objects and no cycles
+        return analyze(trace, ceilings or measured_ceilings(probe), skip_steps=skip_steps, on_stage=on_stage)

@@ -67,6 +67,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     from fuselab.doctor.analyze import analyze_file
     from fuselab.doctor.html import write_html
     from fuselab.doctor.report import render, write_json
+    from fuselab.doctor.trace import gc_paused
     from fuselab.doctor.verdict import verdict_for
 
     console = Console()
@@ -119,14 +120,15 @@ def run_doctor(args: argparse.Namespace) -> int:
             from fuselab.doctor.perfetto import write_perfetto
 
             write_perfetto(analysis, args.perfetto)  # here, while a SCRIPT's trace still exists
-    diagnosis = verdict_for(analysis, unprofiled_us=unprofiled_us)
-    render(diagnosis, console)
-    if args.json:
-        write_json(diagnosis, args.json)
-        console.print(f"wrote {args.json}")
-    if args.html:
-        write_html(diagnosis, args.html)
-        console.print(f"wrote {args.html}")
+    with gc_paused():  # the diagnosis makes many small objects and no cycles: see trace.gc_paused
+        diagnosis = verdict_for(analysis, unprofiled_us=unprofiled_us)
+        render(diagnosis, console)
+        if args.json:
+            write_json(diagnosis, args.json)
+            console.print(f"wrote {args.json}")
+        if args.html:
+            write_html(diagnosis, args.html)
+            console.print(f"wrote {args.html}")
     if args.perfetto:
         console.print(f"wrote {args.perfetto}")
     return 0

@@ -1,7 +1,8 @@
 """`fuselab doctor --compare BEFORE AFTER`: two runs side by side, to confirm that a fix did what it should.
 
 Each side is a trace (analyzed here) or a doctor JSON output (`fuselab doctor --json`). The
-comparison gives the step's parts before and after, the verdict change, and what went away or
+comparison gives the step's parts before and after (NCCL communication among them, with its kernels
+per step, when either run has any), the verdict change, and what went away or
 came new: kernels and the ops that launched them, and host syncs. Sync sites are matched by cause,
 file and function, not by line, since removing one line moves the lines below it.
 """
@@ -22,7 +23,8 @@ from fuselab.device import Ceilings
 
 DOCTOR_JSON_MAX_BYTES = 64 * 2**20  # a doctor's output is small; anything larger is read as a trace
 LISTED = 10  # kernels, ops and sync sites shown per kind of change
-PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels"}
+PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels",
+              "communication": "communication (NCCL kernels)"}
 _LINE = re.compile(r":\d+(?=\s|$)")
 
 
@@ -112,8 +114,11 @@ def _metrics(before: dict, after: dict) -> list[Metric]:
     for key, name in (("kernels_per_step", "kernels"), ("graph_launches_per_step", "graph launches"),
                       ("syncs_per_step", "syncs")):
         metrics.append(Metric(name, *both(key), ""))
+    calls = both("communication", lambda r, k: r.get("breakdown", {}).get(k, {}).get("calls"))
+    if any(calls):
+        metrics.append(Metric("NCCL kernels", *calls, ""))
     for key, name in (("copy_us", "copy time"), ("copy_compute_overlap_us", "copy under compute"),
-                      ("communication_us", "communication (NCCL)")):
+                      ("communication_compute_overlap_us", "communication under compute")):
         values = both(key, lambda r, k: r.get("streams", {}).get(k))
         if any(values):
             metrics.append(Metric(name, *values, "us"))

@@ -97,17 +97,30 @@ def launch_fixes(s: StepSummary) -> list[Fix]:
 
 
 def fusion_fixes(analysis: Analysis, idle_scale: float) -> list[Fix]:
-    """One fix per chain: the known fix for it, else one kernel instead of n."""
+    """One fix per chain: the known fix for it, else one kernel instead of n; one per optimizer for the
+    chains of its step (a fused optimizer removes them all), named after the costliest."""
     n_steps = len(analysis.steps)
     fixes = []
+    by_optimizer: dict[str, tuple[Fix, list[float]]] = {}  # optimizer -> its fix, [chains per step, us per step]
     for cand in analysis.fusion:
         per_step = (cand.kernels_us + (cand.total_us - cand.kernels_us) * idle_scale) / n_steps
         idle = (cand.total_us - cand.kernels_us) * idle_scale / n_steps
         kernels = cand.saving_us(idle_scale) / n_steps - idle
+        if cand.rule == "optimizer" and cand.optimizer in by_optimizer:
+            fix, totals = by_optimizer[cand.optimizer]
+            totals[0] += cand.count / n_steps
+            totals[1] += per_step
+            fix.saving_us += idle + kernels
+            fix.claims += [(("idle",), idle), (("memory", "compute"), kernels)]
+            fix.why = f"{totals[0]:g} per step, {totals[1]:.0f} us per step, its other update chains included"
+            continue
         what = f"{cand.optimizer}'s step: " if cand.optimizer else ""
-        fixes.append(Fix(f"{what}{' -> '.join(cand.labels)}: {cand.fix}", idle + kernels,
-                         f"{cand.count / n_steps:g} per step, {per_step:.0f} us per step", cand.rule,
-                         [(("idle",), idle), (("memory", "compute"), kernels)]))
+        fix = Fix(f"{what}{' -> '.join(cand.labels)}: {cand.fix}", idle + kernels,
+                  f"{cand.count / n_steps:g} per step, {per_step:.0f} us per step", cand.rule,
+                  [(("idle",), idle), (("memory", "compute"), kernels)])
+        if cand.rule == "optimizer" and cand.optimizer:
+            by_optimizer[cand.optimizer] = (fix, [cand.count / n_steps, per_step])
+        fixes.append(fix)
     return fixes
 
 

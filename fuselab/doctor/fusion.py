@@ -7,6 +7,8 @@ name, or the kernel's short name) within runs of consecutive fusable kernels on 
 step; matrix multiplies, attention and copies break a run, since no elementwise kernel absorbs
 them. Kernels replayed from a CUDA graph break a run too: their launches are already gone, and a
 graph's node list (GEMMs and fused kernels alike, named only by kernel) says too little to fuse by.
+So does the start or end of an optimizer's step: its update is fused by a fused optimizer, the
+backward pass before it by other means, and a chain across the two is neither's.
 
 Hand-written attention (matmul -> softmax -> matmul) is found first, around the matmuls. Then the
 sequences are chosen one at a time, costliest first, each claiming the kernels of its occurrences:
@@ -71,8 +73,10 @@ def _fusable(event: GpuEvent, label: str) -> bool:
     return event.kind == "kernel" and label not in _UNFUSABLE_OPS and not _UNFUSABLE_KERNELS.search(event.name)
 
 
-def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool]) -> list[list[int]]:
-    """Maximal runs of consecutive fusable kernels, per step and stream, as lists of event indices."""
+def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool],
+          optimizer: list[str | None]) -> list[list[int]]:
+    """Maximal runs of consecutive fusable kernels launched by one optimizer's step (or outside any), per step
+    and stream, as lists of event indices."""
     runs = []
     for indices in members:
         by_stream: dict[tuple[int, int], list[int]] = {}
@@ -81,6 +85,10 @@ def _runs(members: list[list[int]], events: list[GpuEvent], fusable: list[bool])
         for stream_indices in by_stream.values():
             run: list[int] = []
             for i in stream_indices:
+                if run and optimizer[i] != optimizer[run[-1]]:
+                    if len(run) >= MIN_LENGTH:
+                        runs.append(run)
+                    run = []
                 if fusable[i]:
                     run.append(i)
                     continue
@@ -176,9 +184,11 @@ class _Tally:
             cursor = p + n
         return block_us, kernels_us, pieces
 
-    def claim(self, key: tuple) -> tuple[int, float, float]:
-        """Cut the occurrences of key out of the runs; its count, block time and kernel time."""
+    def claim(self, key: tuple) -> tuple[int, float, float, list[int]]:
+        """Cut the occurrences of key out of the runs; its count, block time, kernel time and each
+        occurrence's first kernel."""
         count, block_us, kernels_us = 0, 0.0, 0.0
+        firsts: list[int] = []
         kept: list[list[int]] = []
         for run in self.runs:
             run_ids = [self.ids[i] for i in run]
@@ -189,11 +199,12 @@ class _Tally:
             self._add(run, -1)
             run_block, run_kernels, pieces = self._cut(run, found, len(key))
             count, block_us, kernels_us = count + len(found), block_us + run_block, kernels_us + run_kernels
+            firsts += [run[p] for p in found]
             for piece in pieces:
                 self._add(piece, +1)
             kept += pieces
         self.runs = kept
-        return count, block_us, kernels_us
+        return count, block_us, kernels_us, firsts
 
 
 def _attention_candidates(members, events, labels, replayed) -> tuple[list[FusionCandidate], set[int]]:
@@ -213,11 +224,10 @@ def _attention_candidates(members, events, labels, replayed) -> tuple[list[Fusio
     return out, claimed
 
 
-def _optimizer_for(key: tuple, names: list[str], labels: list[str], optimizer: list[str | None],
-                   members: list[list[int]]) -> str | None:
-    """The optimizer that launched most kernels carrying these labels, if most of them were launched by one."""
-    wanted = {names[i] for i in key}
-    found = Counter(optimizer[i] for indices in members for i in indices if labels[i] in wanted)
+def _optimizer_for(firsts: list[int], optimizer: list[str | None]) -> str | None:
+    """The optimizer whose step launched most of a chain's occurrences (each launched by one: runs do not
+    cross a step's bounds), if one launched most of them."""
+    found = Counter(optimizer[i] for i in firsts)
     name, count = max(found.items(), key=lambda kv: kv[1], default=(None, 0))
     return name if name is not None and count * 2 > sum(found.values()) else None
 
@@ -232,15 +242,15 @@ def fusion_candidates(members: list[list[int]], events: list[GpuEvent], labels: 
     ids = [vocabulary.setdefault(label, len(vocabulary)) for label in labels]
     fusable = [_fusable(e, label) and not from_graph and i not in on_scores
                for i, (e, label, from_graph) in enumerate(zip(events, labels, replayed))]
-    tally = _Tally(_runs(members, events, fusable), events, ids)
+    tally = _Tally(_runs(members, events, fusable, optimizer), events, ids)
     names = list(vocabulary)
     while len(out) < TOP:
         key = tally.best()
         if key is None:
             break
-        count, block_us, kernels_us = tally.claim(key)
+        count, block_us, kernels_us, firsts = tally.claim(key)
         label_names = tuple(names[i] for i in key)
-        owner = _optimizer_for(key, names, labels, optimizer, members)
+        owner = _optimizer_for(firsts, optimizer)
         chain = fix_for(label_names, kernels_us / (count * len(key)), owner)
         out.append(FusionCandidate(label_names, count, block_us, kernels_us, chain.action, chain.rule, owner))
     return out

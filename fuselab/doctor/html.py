@@ -12,10 +12,11 @@ from __future__ import annotations
 import html
 import os
 
-from fuselab.doctor.kernels_table import TOP_KERNELS, is_communication
+from fuselab.doctor.kernels_table import TOP_KERNELS
 from fuselab.doctor.regions import Region
 from fuselab.doctor.report import PART_NAMES, step_time
 from fuselab.doctor.syncs import SYNC_APIS
+from fuselab.doctor.trace import is_communication
 from fuselab.doctor.verdict import Diagnosis
 from fuselab.doctor.views import Views
 from fuselab.doctor.views_report import achieved_text, by_phase, grid_text, hidden_note, shown_regions
@@ -25,8 +26,9 @@ COLORS = {
     "compute": "#2e9d4f", "memory": "#2f7bd1", "copy": "#8a8a8a", "launch": "#f2b233", "sync": "#d64541",
     "other": "#c9c9c9", "call": "#6d4bb3", "profiler": "#f0f0f0", "communication": "#b5651d",
 }
-PART_COLORS = {"compute": COLORS["compute"], "memory": COLORS["memory"], "copies": COLORS["copy"], "launch_gaps": COLORS["launch"],
-               "sync_stalls": COLORS["sync"], "other_idle": COLORS["other"]}
+PART_COLORS = {"compute": COLORS["compute"], "memory": COLORS["memory"], "copies": COLORS["copy"],
+               "communication": COLORS["communication"], "launch_gaps": COLORS["launch"], "sync_stalls": COLORS["sync"],
+               "other_idle": COLORS["other"]}
 
 
 def _rect(x0: float, x1: float, y: float, h: float, color: str, title: str) -> str:
@@ -95,11 +97,14 @@ def breakdown_svg(diagnosis: Diagnosis) -> str:
         if v["share"] <= 0:
             continue
         w = usable * v["share"]
-        parts.append(_rect(cursor, cursor + w, 4, 30, PART_COLORS[part], f"{PART_NAMES[part]}: {v['us']:.1f} us ({100 * v['share']:.1f}%)"))
+        calls = f", {v['calls']:g} calls per step" if "calls" in v else ""
+        parts.append(_rect(cursor, cursor + w, 4, 30, PART_COLORS[part],
+                           f"{PART_NAMES[part]}: {v['us']:.1f} us ({100 * v['share']:.1f}%{calls})"))
         cursor += w
+    step = min(200, usable // len(diagnosis.breakdown))  # seven parts with communication: narrower, to fit
     legend = "".join(
-        f'<rect x="{LABEL + 200 * i}" y="44" width="12" height="12" fill="{PART_COLORS[p]}"/>'
-        f'<text x="{LABEL + 200 * i + 16}" y="55" font-size="11">{html.escape(PART_NAMES[p].split(" (")[0])}</text>'
+        f'<rect x="{LABEL + step * i}" y="44" width="12" height="12" fill="{PART_COLORS[p]}"/>'
+        f'<text x="{LABEL + step * i + 16}" y="55" font-size="11">{html.escape(PART_NAMES[p].split(" (")[0])}</text>'
         for i, p in enumerate(diagnosis.breakdown)
     )
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="64" font-family="sans-serif">'

@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
 from fuselab.doctor.analyze import Analysis
-from fuselab.doctor.trace import GpuEvent, Trace
+from fuselab.doctor.trace import Trace, is_communication
 
 TOP_KERNELS = 15
 UNITS = {"compute": "TFLOP/s", "memory": "GB/s"}
@@ -29,11 +29,6 @@ def short_name(name: str) -> str:
     while _TEMPLATE.search(short):
         short = _TEMPLATE.sub("", short)
     return short.split("(")[0].split("::")[-1].strip() or name
-
-
-def is_communication(event: GpuEvent) -> bool:
-    """NCCL's kernels (ncclDevKernel_AllReduce..., ncclKernel_...): the GPU moving data between GPUs."""
-    return event.kind == "kernel" and event.name.removeprefix("void ").lower().startswith("nccl")
 
 
 @dataclass

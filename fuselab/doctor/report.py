@@ -16,6 +16,7 @@ from fuselab.doctor.views_report import view_tables
 VERDICT_STYLE = {"launch-bound": "bold yellow", "sync-bound": "bold red", "memory-bound": "bold cyan", "compute-bound": "bold green",
                  "copy-bound": "bold magenta"}
 PART_NAMES = {"compute": "compute-bound kernels", "memory": "memory-bound kernels", "copies": "copies (host <-> device)",
+              "communication": "communication (NCCL kernels)",
               "launch_gaps": "launch gaps (GPU waited for the host)", "sync_stalls": "sync stalls", "other_idle": "other idle"}
 
 
@@ -32,10 +33,12 @@ def step_time(d: Diagnosis) -> str:
 
 def _breakdown_table(d: Diagnosis) -> Table:
     table = Table(title="where a step's time goes")
-    for col in ("part", "us / step", "share", ""):
+    communication = "communication" in d.breakdown
+    for col in ("part", "us / step", "share") + (("calls / step",) if communication else ()) + ("",):
         table.add_column(col, justify="left" if col in ("part", "") else "right")
     for part, v in d.breakdown.items():
-        table.add_row(PART_NAMES[part], f"{v['us']:.1f}", f"{100 * v['share']:.1f}%", _bar(v["share"]))
+        calls = (f"{v['calls']:g}" if "calls" in v else "",) if communication else ()
+        table.add_row(PART_NAMES[part], f"{v['us']:.1f}", f"{100 * v['share']:.1f}%", *calls, _bar(v["share"]))
     return table
 
 

@@ -173,14 +173,16 @@ def kernel_costs(kernels: list[GpuEvent], op_of: dict[int, CpuOp | None], ceilin
         if op is not None:
             op_time[id(op)] = op_time.get(id(op), 0.0) + k.dur
     costs = []
-    cache: dict[int, OpCost | None] = {}
+    # A loop launches the same op with the same shapes over and over: cost each signature once.
+    cache: dict[tuple[str, str, str], OpCost | None] = {}
     for i, k in enumerate(kernels):
         op = op_of.get(i)
         cost = None
         if op is not None and k.kind == "kernel":
-            if id(op) not in cache:
-                cache[id(op)] = op_cost(op)
-            cost = cache[id(op)]
+            signature = (op.name, repr(op.input_dims), repr(op.input_types))
+            if signature not in cache:
+                cache[signature] = op_cost(op)
+            cost = cache[signature]
         if cost is None:
             bound = "compute" if k.kind == "kernel" and _COMPUTE_KERNEL_NAMES.search(k.name) else "memory"
             costs.append(KernelCost(k.name, op.name if op else None, k.dur, None, None, bound, None))

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from fuselab.doctor.analyze import Analysis
-from fuselab.doctor.kernels_table import is_communication
-from fuselab.doctor.trace import GpuEvent
+from fuselab.doctor.trace import GpuEvent, is_communication
 
 Intervals = list[tuple[float, float]]
 

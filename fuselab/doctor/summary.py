@@ -6,7 +6,9 @@ the kernels, so GPU busy share = profiled kernel time / unprofiled step time (at
 the idle the unprofiled step leaves is split among launch gaps, sync stalls and other idle as the
 profiler saw them. A trace alone (`analyze_trace`) is judged as profiled.
 
-Busy time is split into compute-bound kernels, memory-bound kernels (and memsets) and copies.
+Busy time is split into compute-bound kernels, memory-bound kernels (and memsets), copies and,
+when the steps ran any, NCCL kernels: communication, a part of its own (with its calls per step),
+since it moves data between GPUs and neither computes nor is bound by this GPU's memory.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import statistics
 from dataclasses import dataclass
 
 from fuselab.doctor.analyze import Analysis
-from fuselab.doctor.trace import CpuOp
+from fuselab.doctor.trace import CpuOp, is_communication
 
 IDLE_PARTS = ("launch_gaps", "sync_stalls", "other_idle")
+# A float32 GEMM this far below the float32 (CUDA-core) rate is held up by something other than its
+# math (too small to fill the GPU, or its launch), which TF32's tensor cores do not shorten.
+FP32_MATH_BOUND_PCT = 30.0
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,8 @@ class StepSummary:
     profiled_wall_us: float
     unprofiled_us: float | None  # the step timed without the profiler, when it was
     wall_us: float  # the step time judged: the unprofiled one when known, else the profiled one
-    parts: dict[str, float]  # compute, memory, copies and the IDLE_PARTS, in us, scaled to wall_us
-    breakdown: dict[str, dict[str, float]]  # part -> {"us": per step, "share": of wall_us}
+    parts: dict[str, float]  # compute, memory, copies, communication (with NCCL kernels) and the IDLE_PARTS, in us
+    breakdown: dict[str, dict[str, float]]  # part -> {"us": per step, "share": of wall_us}; communication adds "calls"
     idle_scale: float  # the factor applied to the profiled idle parts
     idle_share: float
     gpu_busy_us: float
@@ -48,7 +53,8 @@ class StepSummary:
     compute_pct: float | None  # time-weighted % of ceiling of the compute-bound kernels (each against its precision's)
     memory_pct: float | None
     compute_ceilings: dict[str, float]  # precision -> TFLOP/s ceiling, of the compute-bound matrix kernels
-    gemm_us: dict[str, float]  # precision -> compute-bound matrix-multiply kernel time per step
+    gemm_us: dict[str, float]  # precision -> compute-bound matrix-multiply kernel time per step (fp32: of those at
+    # FP32_MATH_BOUND_PCT of the fp32 ceiling or more, the ones TF32 speeds up)
     longest_launch_gap_us: float
     stalled_in: CpuOp | None  # the innermost host op that ran through most of the longest launch gap
 
@@ -63,7 +69,7 @@ def _roofline_pct(analysis: Analysis, bound: str) -> float | None:
     for indices in analysis.step_events:
         for i in indices:
             c = analysis.costs[i]
-            if c.bound == bound and c.pct_of_ceiling is not None:
+            if c.bound == bound and c.pct_of_ceiling is not None and not is_communication(analysis.trace.gpu[i]):
                 weighted += c.pct_of_ceiling * c.dur_us
                 total += c.dur_us
     return weighted / total if total else None
@@ -71,7 +77,7 @@ def _roofline_pct(analysis: Analysis, bound: str) -> float | None:
 
 def _matrix_kernels(analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
     """Per precision, over the compute-bound matrix-multiply kernels (the ones a faster precision speeds up):
-    their time per step, and their ceiling."""
+    their time per step, and their ceiling. float32 ones count only at FP32_MATH_BOUND_PCT of their ceiling or more."""
     gemm_us: dict[str, float] = {}
     ceilings: dict[str, float] = {}
     for indices in analysis.step_events:
@@ -79,8 +85,9 @@ def _matrix_kernels(analysis: Analysis) -> tuple[dict[str, float], dict[str, flo
             c = analysis.costs[i]
             if c.precision is None or c.bound != "compute":
                 continue
-            gemm_us[c.precision] = gemm_us.get(c.precision, 0.0) + c.dur_us / len(analysis.steps)
             ceilings[c.precision] = c.tflops_ceiling
+            if c.precision != "fp32" or (c.pct_of_ceiling or 0.0) >= FP32_MATH_BOUND_PCT:
+                gemm_us[c.precision] = gemm_us.get(c.precision, 0.0) + c.dur_us / len(analysis.steps)
     return gemm_us, ceilings
 
 
@@ -103,6 +110,10 @@ def _judged_step(analysis: Analysis, unprofiled_us: float | None) -> tuple[float
         "compute": _mean([s.compute_us for s in steps]),
         "memory": _mean([s.memory_us for s in steps]),
         "copies": _mean([s.copy_us for s in steps]),
+    }
+    if any(s.communication_kernels for s in steps):
+        parts["communication"] = _mean([s.communication_us for s in steps])
+    parts |= {
         "launch_gaps": _mean([s.launch_gap_us for s in steps]),
         "sync_stalls": _mean([s.sync_stall_us for s in steps]),
         "other_idle": _mean([s.other_idle_us for s in steps]),
@@ -126,6 +137,8 @@ def summarize(analysis: Analysis, unprofiled_us: float | None = None) -> StepSum
     steps = analysis.steps
     wall, parts, idle_scale = _judged_step(analysis, unprofiled_us)
     breakdown = {k: {"us": v, "share": v / wall if wall else 0.0} for k, v in parts.items()}
+    if "communication" in breakdown:
+        breakdown["communication"]["calls"] = _mean([s.communication_kernels for s in steps])
     gpu_busy = _mean([s.gpu_busy_us for s in steps])
     gap_us, stalled_in = _longest_launch_gap(analysis)
     gemm_us, compute_ceilings = _matrix_kernels(analysis)

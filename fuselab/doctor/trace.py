@@ -18,10 +18,13 @@ Times are microseconds, as in the file.
 from __future__ import annotations
 
 import bisect
+import gc
 import gzip
 import json
 import os
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +62,11 @@ class GpuEvent:
     @property
     def device_to_host(self) -> bool:
         return self.kind == "memcpy" and "DtoH" in self.name
+
+
+def is_communication(event: GpuEvent) -> bool:
+    """NCCL's kernels (ncclDevKernel_AllReduce..., ncclKernel_...): the GPU moving data between GPUs."""
+    return event.kind == "kernel" and event.name.removeprefix("void ").lower().startswith("nccl")
 
 
 @dataclass(slots=True)
@@ -228,6 +236,22 @@ def _dims(value) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Run the block with the cyclic garbage collector off (as it was before, after).
+
+    Reading a trace allocates millions of small objects and no cycles; the collector, triggered by
+    the allocations alone, would traverse them over and over and take more time than the parsing.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def load_trace(path: str | os.PathLike) -> Trace:
     """Parse a Kineto trace file (.json or .json.gz) into a `Trace`.
 
@@ -240,15 +264,16 @@ def load_trace(path: str | os.PathLike) -> Trace:
     if not p.is_file():
         raise ValueError(f"path: no trace file at {p}")
     text = _read_text(p)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        where = "it ends early (truncated?)" if err.pos >= len(text.rstrip()) - 1 else f"line {err.lineno}, column {err.colno}"
-        raise ValueError(f"{p}: not valid JSON: {err.msg}; {where}") from err
-    events = data.get("traceEvents") if isinstance(data, dict) else data
-    if not isinstance(events, list):
-        raise ValueError(f"{p}: not a Chrome/Kineto trace: expected an object with a 'traceEvents' list")
-    trace = parse_events(events, str(p))
+    with gc_paused():
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            where = "it ends early (truncated?)" if err.pos >= len(text.rstrip()) - 1 else f"line {err.lineno}, column {err.colno}"
+            raise ValueError(f"{p}: not valid JSON: {err.msg}; {where}") from err
+        events = data.get("traceEvents") if isinstance(data, dict) else data
+        if not isinstance(events, list):
+            raise ValueError(f"{p}: not a Chrome/Kineto trace: expected an object with a 'traceEvents' list")
+        trace = parse_events(events, str(p))
     if isinstance(data, dict) and isinstance(data.get("deviceProperties"), list):
         trace.device_properties = [d for d in data["deviceProperties"] if isinstance(d, dict)]
     return trace

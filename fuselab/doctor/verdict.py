@@ -26,7 +26,7 @@ HOST_AHEAD_DELAY = 3  # kernels' worth of launch delay that says the work waited
 class Diagnosis:
     verdict: str
     evidence: list[str]
-    breakdown: dict[str, dict[str, float]]  # part -> {"us": per step, "share": of the step}
+    breakdown: dict[str, dict[str, float]]  # part -> {"us": per step, "share": of the step}; communication adds "calls"
     fixes: list[Fix]
     steps: int
     kernels_per_step: float
@@ -114,10 +114,14 @@ def _summary_evidence(s: StepSummary, c: Ceilings) -> list[str]:
     evidence.append(host_line)
     if s.syncs:
         evidence.append(f"{s.syncs:g} host-blocking syncs per step, blocking the host {s.sync_blocked_us:.0f} us per step")
-    busy = s.parts["compute"] + s.parts["memory"] + s.parts["copies"]
+    busy = s.parts["compute"] + s.parts["memory"] + s.parts["copies"] + s.parts.get("communication", 0.0)
     for bound, pct in (("compute", s.compute_pct), ("memory", s.memory_pct)):
         share = s.parts[bound] / busy if busy else 0.0
         evidence.append(f"{bound}-bound kernels: {100 * share:.0f}% of GPU busy time{_ceiling_text(s, c, bound, pct)}")
+    if "communication" in b:
+        comm = b["communication"]
+        evidence.append(f"communication (NCCL kernels): {comm['calls']:g} per step, {comm['us']:.0f} us per step, "
+                        f"{100 * comm['us'] / busy if busy else 0.0:.0f}% of GPU busy time")
     return evidence
 
 

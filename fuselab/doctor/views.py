@@ -8,6 +8,7 @@ from fuselab.doctor.analyze import Analysis
 from fuselab.doctor.kernels_table import KernelRow, kernel_table
 from fuselab.doctor.regions import Regions, regions
 from fuselab.doctor.streams import Streams, streams
+from fuselab.doctor.trace import gc_paused
 
 
 @dataclass
@@ -23,4 +24,5 @@ class Views:
 
 def views(analysis: Analysis, step_us: float) -> Views:
     """The tables of an analysis; `step_us` is the step time that shares of the step are of."""
-    return Views(kernel_table(analysis, step_us), regions(analysis), streams(analysis, step_us))
+    with gc_paused():  # many small objects, no cycles: see trace.gc_paused
+        return Views(kernel_table(analysis, step_us), regions(analysis), streams(analysis, step_us))
