@@ -52,10 +52,13 @@ def test_each_projection_holds_the_quantization_of_its_float_weights(checkpoints
               "mlp.gate_up_proj": [hf.mlp.gate_proj, hf.mlp.up_proj], "mlp.down_proj": [hf.mlp.down_proj]}
     for name, parts in merged.items():
         layer = llm.model.model.layers[1].get_submodule(name)
-        expected = quantize_weight(torch.cat([p.weight.detach() for p in parts]), scheme.fmt, scheme.group_size or 128)
+        # Quantized where the engine quantized it (a GPU's division rounds as the CPU's, but the
+        # comparison needs both on one device).
+        expected = quantize_weight(torch.cat([p.weight.detach() for p in parts]).to(layer.qweight.device), scheme.fmt,
+                                   scheme.group_size or 128)
         assert isinstance(layer, QuantizedLinear)
         assert torch.equal(layer.qweight, expected.data) and torch.equal(layer.scales, expected.scales), name
-    head = quantize_weight(hf_model.lm_head.weight.detach(), scheme.fmt, scheme.group_size or 128)
+    head = quantize_weight(hf_model.lm_head.weight.detach().to(llm.device), scheme.fmt, scheme.group_size or 128)
     assert torch.equal(llm.model.lm_head.qweight, head.data)
     assert llm.model.model.embed_tokens.weight.dtype == torch.float32  # lookups stay float
 
@@ -64,7 +67,7 @@ def test_a_tied_head_is_a_quantized_copy_of_the_float_embedding(checkpoints):
     hf_model, path = checkpoints["llama2-tied"]
     llm = LLM(path, mode="eager", dtype="float32", max_model_len=64, quantization="int8")
     assert llm.model.head_copies_embedding
-    embedding = hf_model.model.embed_tokens.weight.detach()
+    embedding = hf_model.model.embed_tokens.weight.detach().to(llm.device)
     assert torch.equal(llm.model.model.embed_tokens.weight, embedding)
     assert torch.equal(llm.model.lm_head.qweight, quantize_weight(embedding, "int8").data)
 
