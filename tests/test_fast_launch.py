@@ -245,11 +245,24 @@ def test_launches_follow_the_current_stream(monkeypatch):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.cuda._sleep(10_000_000)  # outputs read before the side stream's work ends would be wrong
         got = {name: fn() for name, fn in ops.items()}
     side.synchronize()
     for name in ops:
         _assert_same(expected[name], got[name])
+
+    # A launch on another stream than the current one would run before the copy it must follow.
+    from fuselab import kernels
+
+    x_new, w = torch.randn(4, 4096, device="cuda"), torch.rand(4096, device="cuda") + 0.5
+    expected = kernels.rms_norm(x_new, w, 1e-6)
+    x = torch.zeros_like(x_new)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        x.copy_(x_new)
+        got = kernels.rms_norm(x, w, 1e-6)
+    side.synchronize()
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,10 @@ current device too (Triton caches compiled kernels per device). Anything else (o
 callable grid, a constexpr passed by position, a kernel that needs scratch memory or tensor
 descriptors, a registered launch hook, another Triton version, the interpreter) launches through Triton.
 FUSELAB_STOCK_LAUNCH=1 sends every launch through Triton, for comparison.
+
+Not re-read per bound launch, as Triton's path would: TRITON_DEBUG / knobs.runtime.debug and the
+instrumentation mode (process settings, fixed before the first launch), and the kernels' global
+constants (module constants that fuselab never reassigns).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class Bound(NamedTuple):
     pdl: bool
     packed_metadata: tuple
     tail: tuple  # placeholders for the parameters after the positional ones: constexprs, which it skips
-    kernel: Any  # kept alive with its entry, whose key holds its id
+    owners: tuple  # (kernel, compiled kernel), kept alive with the entry: its key holds the kernel's id
 
 
 # (id(kernel), device, argument keys..., keyword items...) -> Bound, or None: that one goes through Triton.
@@ -108,7 +112,7 @@ def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
     if getattr(launch, "__name__", None) != "launch" or not isinstance(compiled.packed_metadata, tuple):
         return None
     return Bound(launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata,
-                 (None,) * (len(params) - n_args), kernel)
+                 (None,) * (len(params) - n_args), (kernel, compiled))
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
