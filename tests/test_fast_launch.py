@@ -21,7 +21,8 @@ def _key(*args, **meta):
 
 
 def test_int_keys_follow_tritons_specialization():
-    values = (0, 1, 2, 16, 17, 4096, 2**31 - 1, 2**31, 2**32, 2**31 + 1, -2**31, -2**31 - 1, 2**63 - 1, 2**63, 2**64 - 1)
+    values = (0, 1, 2, 16, 17, 4096, 2**31 - 1, 2**31, 2**32, 2**31 + 1, -2**31, -2**31 - 1, 2**63 - 1, 2**63,
+              2**64 - 1)
     keys = {v: _key(v) for v in values}
     assert keys[1] != keys[17] and keys[1] != keys[2]  # 1 is a constant to Triton
     assert keys[16] == keys[4096] == keys[0] and keys[16] != keys[17]  # divisibility by 16
@@ -161,7 +162,9 @@ def _stock_and_fast(monkeypatch, fn):
 
 
 def _assert_same(expected, got):
-    for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
+    expected, got = (t if isinstance(t, tuple) else (t,) for t in (expected, got))
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
         assert torch.equal(e, g)
 
 

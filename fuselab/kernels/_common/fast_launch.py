@@ -1,6 +1,6 @@
 """`launch(kernel, grid, *args, **meta)`: `kernel[grid](*args, **meta)` without Triton's per-call Python.
 
-Why: at decode size Triton 3.6's `JITFunction.run` costs 20-60 µs of host time a launch (binding the
+Why: at decode size Triton 3.6's `JITFunction.run` costs tens of µs of host time a launch (binding the
 arguments, specializing each, building and hashing a cache key with `str(options)`, checking globals,
 building launch metadata, calling an empty hook chain), several times the GPU time of the kernel.
 Here the first call of each specialization goes through Triton (which compiles, caches and launches);
