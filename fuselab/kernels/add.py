@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv
 from fuselab.kernels._common.validate import check_float_tensor, check_like, contiguous, needs_autograd
 
@@ -45,7 +46,7 @@ def add_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(a)
     n_elements = a.numel()
     if n_elements:
-        _add_kernel[_grid(n_elements)](a, b, out, n_elements, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+        launch(_add_kernel, _grid(n_elements), a, b, out, n_elements, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
     return out
 
 

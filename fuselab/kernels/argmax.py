@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import check_float_tensor
 
@@ -106,20 +107,20 @@ def argmax_launch(x: torch.Tensor) -> torch.Tensor:
     n_chunks = cdiv(n_cols, chunk)
     if n_chunks == 1:
         # The chunk's index is the row's answer: written straight into the output, no merge.
-        _argmax_chunk_kernel[(rows, 1)](
+        launch(_argmax_chunk_kernel, (rows, 1),
             x, out, out, x.stride(0), n_cols, 1, BLOCK=chunk, STORE_VALUE=False, USE_PDL=pdl,
             num_warps=CHUNK_WARPS, launch_pdl=pdl,
         )
         return out
     values = torch.empty(rows, n_chunks, dtype=torch.float32, device=x.device)
     indices = torch.empty(rows, n_chunks, dtype=torch.int64, device=x.device)
-    _argmax_chunk_kernel[(rows, n_chunks)](
+    launch(_argmax_chunk_kernel, (rows, n_chunks),
         x, values, indices, x.stride(0), n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, USE_PDL=pdl,
         num_warps=CHUNK_WARPS, launch_pdl=pdl,
     )
     merge_block = min(next_power_of_2(n_chunks), MAX_MERGE_BLOCK)
-    _argmax_merge_kernel[(rows,)](values, indices, out, n_chunks, n_cols, BLOCK=merge_block, USE_PDL=pdl,
-                                  num_warps=1, launch_pdl=pdl)
+    launch(_argmax_merge_kernel, (rows,), values, indices, out, n_chunks, n_cols, BLOCK=merge_block, USE_PDL=pdl,
+           num_warps=1, launch_pdl=pdl)
     return out
 
 

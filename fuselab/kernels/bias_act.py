@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_grad
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, sm_count
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
@@ -103,7 +104,8 @@ def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> to
         return y
     n_cols = x.shape[-1]
     grid, block = _forward_grid(x.numel() // n_cols, n_cols, sm_count(x.device))
-    _bias_act_forward_kernel[grid](x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block, num_warps=_NUM_WARPS)
+    launch(_bias_act_forward_kernel, grid, x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block,
+           num_warps=_NUM_WARPS)
     return y
 
 
@@ -121,7 +123,7 @@ def bias_act_backward(
     rows = _band_rows(n_rows, col_blocks, sm_count(x.device))
     bands = cdiv(n_rows, rows)
     dbias_partial = new_partials(1, bands, n_cols, bias.dtype, x.device, accumulated=False)
-    _bias_act_backward_kernel[(bands * col_blocks,)](
+    launch(_bias_act_backward_kernel, (bands * col_blocks,),
         dy, x, bias, dx, dbias_partial, n_rows, n_cols, ACTIVATION=activation, BLOCK=block, ROWS=rows,
         STAGES=_BACKWARD_STAGES, num_warps=_NUM_WARPS,
     )

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
 
@@ -95,7 +96,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     block_n, block_k = gemv_blocks(k)
     pdl = use_pdl(x.device)
-    _gemv_kernel[(cdiv(n, block_n),)](
+    launch(_gemv_kernel, (cdiv(n, block_n),),
         x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
         num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl,

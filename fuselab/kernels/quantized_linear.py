@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor
 from fuselab.kernels.quant_pack import (
@@ -286,7 +287,7 @@ def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
     block_n, block_b, num_warps, per_sm = config or gemv_config(n_words)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
-    _gemv_kernel[(min(n_tiles, per_sm * sm_count(x2.device)),)](
+    launch(_gemv_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),
         x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
         weight.scales.stride(0), MAGIC, n_tiles,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
@@ -301,7 +302,7 @@ def _launch_mma(x2, weight, bias, y2, config=None, num_stages=MMA_NUM_STAGES) ->
     pdl = use_pdl(x2.device)
     # Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; exact in fp32 instead.
     interpreted_bf16 = INTERPRETED and x2.dtype == torch.bfloat16
-    _mma_kernel[(cdiv(n, block_n), cdiv(m, block_m))](
+    launch(_mma_kernel, (cdiv(n, block_n), cdiv(m, block_m)),
         x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, m, n, k, n_words,
         x2.stride(0), y2.stride(0), weight.scales.stride(0), MAGIC,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
@@ -342,7 +343,7 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
     out = torch.empty(n, k, device=weight.data.device, dtype=dtype)
     block_n, block_w = 16, 64
-    _dequantize_kernel[(cdiv(n, block_n), cdiv(n_words, block_w))](
+    launch(_dequantize_kernel, (cdiv(n, block_n), cdiv(n_words, block_w)),
         weight.data, weight.scales, out, n, k, n_words, weight.scales.stride(0), MAGIC,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
         BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,

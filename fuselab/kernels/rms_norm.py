@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.residual import load_input_row
@@ -169,7 +170,7 @@ def rms_norm_forward(
     kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
     pdl = use_pdl(x.device)
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
-    kernel[(n_rows,)](
+    launch(kernel, (n_rows,),
         x, x if residual is None else residual, weight, y, x if h is None else h, y if rstd is None else rstd,
         n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_RSTD=save_rstd,
         BLOCK=config.block, USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
@@ -194,7 +195,7 @@ def rms_norm_backward(
     else:
         loaded = dy.element_size() + x.element_size() + (0 if dh is None else dh.element_size())
         kernel, staging = _rms_norm_backward_kernel, {"STAGES": row_loop_stages(config.block, loaded, x.device)}
-    kernel[(n_programs,)](
+    launch(kernel, (n_programs,),
         dy, x, weight, rstd, dy if dh is None else dh, dx, dw_partial, n_rows, n_cols, rows_per_program,
         HAS_DH=dh is not None, BLOCK=config.block, num_warps=config.num_warps, **staging,
     )

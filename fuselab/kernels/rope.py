@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common import indices
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
 from fuselab.kernels.attention.paged_attention import check_store_inputs
@@ -238,7 +239,7 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
         meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, v.shape[1],
                           k_cache.shape[1], many_tokens)
     pdl = use_pdl(q.device)
-    _rope_kernel[(n_tokens,)](
+    launch(_rope_kernel, (n_tokens,),
         q, *_token_strides(q),
         k, *_token_strides(k),
         q_out, *_token_strides(q_out),

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
 from fuselab.kernels._common.validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
 
@@ -104,12 +105,12 @@ def swiglu_forward(
     n_cols = out.shape[-1]
     pdl = use_pdl(out.device)
     if _flat(out.numel(), in_row_stride, n_cols, up_offset):
-        _swiglu_flat_forward_kernel[(cdiv(out.numel(), _FLAT_BLOCK),)](
+        launch(_swiglu_flat_forward_kernel, (cdiv(out.numel(), _FLAT_BLOCK),),
             gate, up, out, out.numel(), BLOCK=_FLAT_BLOCK, USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
         return out
     grid, block = row_block_grid(out.numel() // n_cols, n_cols, _MAX_BLOCK)
-    _swiglu_forward_kernel[grid](gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
-                                 num_warps=_NUM_WARPS, launch_pdl=pdl)
+    launch(_swiglu_forward_kernel, grid, gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
+           num_warps=_NUM_WARPS, launch_pdl=pdl)
     return out
 
 
@@ -127,11 +128,11 @@ def swiglu_backward(
         return
     n_cols = dy.shape[-1]
     if _flat(dy.numel(), in_row_stride, n_cols, up_offset):
-        _swiglu_flat_backward_kernel[(cdiv(dy.numel(), _FLAT_BLOCK),)](
+        launch(_swiglu_flat_backward_kernel, (cdiv(dy.numel(), _FLAT_BLOCK),),
             dy, gate, up, dgate, dup, dy.numel(), BLOCK=_FLAT_BLOCK, num_warps=_NUM_WARPS)
         return
     grid, block = row_block_grid(dy.numel() // n_cols, n_cols, _MAX_BLOCK)
-    _swiglu_backward_kernel[grid](
+    launch(_swiglu_backward_kernel, grid,
         dy, gate, up, dgate, dup, n_cols, in_row_stride, up_offset, BLOCK=block, num_warps=_NUM_WARPS
     )
 

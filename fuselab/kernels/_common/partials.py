@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv
 
 # A program adds up BLOCK_COLUMNS columns, BLOCK_PARTIALS rows of them a step, with STAGES steps' loads
@@ -61,7 +62,7 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty((groups, n_cols), dtype=dtype, device=partials.device)
     if out.numel() == 0:
         return out
-    _sum_partials_kernel[(cdiv(n_cols, _BLOCK_COLUMNS), groups)](
+    launch(_sum_partials_kernel, (cdiv(n_cols, _BLOCK_COLUMNS), groups),
         partials, out, n_partials, n_cols,
         BLOCK_PARTIALS=_BLOCK_PARTIALS, BLOCK_COLUMNS=_BLOCK_COLUMNS, STAGES=_STAGES, num_warps=_NUM_WARPS,
     )

@@ -1,6 +1,8 @@
 """Input checks shared by the kernels: each raises an error that names the offending argument.
 
-Kept to attribute reads and comparisons, since they run on every call, including at decode size.
+Kept to attribute reads and comparisons, since they run on every call, including at decode size: each
+first tests the common case in one expression (no torch.device objects where a flag does), and only
+when that fails goes through the checks one by one to name what is wrong.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (reading the environment on every launch costs a decode step microseconds).
 INTERPRETED = triton_interpreted()
 KERNEL_DEVICE_TYPE = "cpu" if INTERPRETED else "cuda"
+# The tensor flag that says a tensor is on that device: cheaper to read than `t.device.type`.
+_ON_KERNEL_DEVICE = "is_cpu" if INTERPRETED else "is_cuda"
 
 
 def check_float_tensor(name: str, t: object) -> None:
     """A float32/bfloat16/float16 tensor on the device the kernels run on."""
+    if isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES and getattr(t, _ON_KERNEL_DEVICE):
+        return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
@@ -34,6 +40,8 @@ def check_at_least_1d(name: str, t: torch.Tensor) -> None:
 
 def check_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> None:
     """`t` must be a tensor of the same shape, dtype and device as `ref`."""
+    if isinstance(t, torch.Tensor) and t.dtype == ref.dtype and t.shape == ref.shape and t.device == ref.device:
+        return
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != ref.device:
@@ -46,6 +54,9 @@ def check_like(name: str, t: object, ref_name: str, ref: torch.Tensor) -> None:
 
 def check_row_vector(name: str, t: object, x_name: str, x: torch.Tensor) -> None:
     """A per-column parameter (weight, bias): 1-D, as long as the last dim of `x`, on the same device."""
+    if (isinstance(t, torch.Tensor) and t.dtype in FLOAT_DTYPES and getattr(t, _ON_KERNEL_DEVICE) and t.dim() == 1
+            and t.shape[0] == x.shape[-1] and t.device == x.device):
+        return
     check_float_tensor(name, t)
     if t.device != x.device:
         raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
@@ -71,4 +82,9 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether to go through the autograd.Function; skipping it saves host time in inference."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # a loop, not any() over a generator: this runs on every call
+        if t is not None and t.requires_grad:
+            return True
+    return False

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, resident_programs, sm_count
 from fuselab.kernels._common.optional import optional_gluon
 from fuselab.kernels._common.validate import INTERPRETED
@@ -415,13 +416,13 @@ def flash_forward(
         part_lse = torch.empty(split_tiles * splits * cfg.block_m, device=q.device, dtype=torch.float32)
     else:
         part_out = part_lse = lse  # not written
-    kernel[(whole + split_tiles * splits,)](
+    launch(kernel, (whole + split_tiles * splits,),
         *head_args, part_out, part_lse, *stride_args, *size_args, whole, splits, part_blocks * cfg.block_n,
         SPLIT=split_tiles > 0, **common,
     )
     if split_tiles:
         rows = min(cfg.block_m, _MERGE_ROWS)
-        _merge_parts_kernel[(split_tiles, cfg.block_m // rows)](
+        launch(_merge_parts_kernel, (split_tiles, cfg.block_m // rows),
             part_out, part_lse, out, lse, *row_strides(out, False), stride_lb, stride_lh,
             heads, m_blocks, whole, splits, seq_q,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, ROWS=rows, num_warps=4,

@@ -31,6 +31,7 @@ from fuselab.kernels.attention.common import (
     tile_dot,
 )
 from fuselab.kernels._common import indices
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, check_like
 
@@ -210,7 +211,7 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, dev
 
 def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     token_width = k.shape[1] * k.shape[2]
-    _store_kv_kernel[(k.shape[0],)](
+    launch(_store_kv_kernel, (k.shape[0],),
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), token_width, k_cache.shape[0] * k_cache.shape[1],
         PAGE_SIZE=k_cache.shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
@@ -231,7 +232,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
         part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
     q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
-    _decode_split_kernel[(batch, kv_heads, splits)](
+    launch(_decode_split_kernel, (batch, kv_heads, splits),
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
         vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
@@ -242,7 +243,7 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) ->
     )
     if splits > 1:
         # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
-        _decode_merge_kernel[(batch * heads,)](
+        launch(_decode_merge_kernel, (batch * heads,),
             part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=pdl,
             num_warps=4, launch_pdl=pdl,

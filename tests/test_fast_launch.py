@@ -1,0 +1,290 @@
+"""fast_launch: the specialization key holds what Triton 3.6 compiles a kernel for, the bound C launcher
+gets what JITFunction.run would pass it, and anything unrecognized goes through Triton. The GPU tests
+check that results equal Triton's own launcher's across shapes, dtypes, alignments, streams, CUDA-graph
+capture and programmatic dependent launch."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fuselab.kernels._common import fast_launch
+from fuselab.kernels._common.fast_launch import bind, specialization_key
+
+
+def _key(*args, **meta):
+    found = specialization_key("kernel", 0, args, meta)
+    return None if found is None else found[0][2:]
+
+
+def test_int_keys_follow_tritons_specialization():
+    values = (0, 1, 2, 16, 17, 4096, 2**31 - 1, 2**31, 2**32, 2**31 + 1, -2**31, -2**31 - 1, 2**63 - 1, 2**63,
+              2**64 - 1)
+    keys = {v: _key(v) for v in values}
+    assert keys[1] != keys[17] and keys[1] != keys[2]  # 1 is a constant to Triton
+    assert keys[16] == keys[4096] == keys[0] and keys[16] != keys[17]  # divisibility by 16
+    assert keys[17] == keys[2] and keys[2**31 - 1] == keys[17]
+    assert keys[-2**31] == keys[16]  # still i32
+    assert keys[2**31] == keys[2**32] != keys[16]  # i64 apart from i32
+    assert keys[2**31 + 1] == keys[-2**31 - 1] == keys[2**63 - 1] != keys[17]
+    assert keys[2**63] not in (keys[2**32], keys[16]) and keys[2**64 - 1] not in (keys[2**63 - 1], keys[17])  # u64
+    assert _key(True) != _key(1) and _key(1.0) != _key(1) and _key(None) != _key(0)
+
+
+def test_tensor_keys_hold_dtype_and_pointer_alignment():
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, misaligned = buf[:32], buf[1:33]
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
+    assert _key(aligned) != _key(misaligned)
+    assert _key(aligned) == _key(buf[8:40])  # 16 bytes further: aligned as well
+    assert _key(aligned) != _key(aligned.float())
+    key, call_args = specialization_key("kernel", 0, (aligned, 7, 0.5, None), {})
+    assert call_args == [aligned.data_ptr(), 7, 0.5, None]
+
+
+def test_keys_hold_kernel_device_and_keywords_by_name():
+    assert specialization_key("a", 0, (), {})[0] != specialization_key("b", 0, (), {})[0]
+    assert specialization_key("a", 0, (), {})[0] != specialization_key("a", 1, (), {})[0]
+    assert _key(X=True, Y=False) != _key(Y=True, X=False)
+    assert _key(BLOCK=64, num_warps=4) != _key(BLOCK=64, num_warps=8)
+    assert _key(launch_pdl=True) != _key(launch_pdl=False)
+
+
+@pytest.mark.parametrize("arg", [(1, 2), [1], "s", SimpleNamespace(data_ptr=lambda: 0)])
+def test_other_argument_kinds_get_no_key(arg):
+    assert _key(arg) is None
+
+
+def _params(runtime: int, constexprs: int):
+    return [SimpleNamespace(is_constexpr=False)] * runtime + [SimpleNamespace(is_constexpr=True)] * constexprs
+
+
+def _fake(runtime=3, constexprs=2, scratch=0, name="launch", hooks=()):
+    calls = []
+
+    def launch(*args):
+        calls.append(args)
+
+    launch.__name__ = name
+    run = SimpleNamespace(launch=launch, global_scratch_size=scratch, profile_scratch_size=0,
+                          launch_cooperative_grid=False, launch_pdl=True)
+    compiled = SimpleNamespace(run=run, function=1234, packed_metadata=(4, 1, 0))
+    stock = []
+
+    class Kernel:
+        params = _params(runtime, constexprs)
+        pre_run_hooks = list(hooks)
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: stock.append((grid, args, meta)) or compiled
+
+    return Kernel(), compiled, calls, stock
+
+
+def test_bind_takes_only_what_it_can_launch_as_triton_would():
+    kernel, compiled, _, _ = _fake()
+    bound = bind(kernel, compiled, 3)
+    assert bound is not None and bound.tail == (None, None) and bound.pdl and bound.function == 1234
+    assert bind(kernel, compiled, 4) is None  # a constexpr passed by position
+    assert bind(kernel, compiled, 2) is None  # a runtime parameter left to a default or a keyword
+    assert bind(*_fake(scratch=256)[:2], 3) is None  # per-launch scratch memory
+    assert bind(*_fake(name="inner")[:2], 3) is None  # tensor descriptors converted in Python
+    assert bind(*_fake(hooks=[print])[:2], 3) is None
+    assert bind(kernel, None, 3) is None  # Triton returned no compiled kernel
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """The fast path switched on over fake device, stream and launch hooks."""
+    hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
+    monkeypatch.setattr(fast_launch, "FAST", True)
+    monkeypatch.setattr(fast_launch, "_bound", {})
+    monkeypatch.setattr(fast_launch, "_runtime_knobs", hooks, raising=False)
+    monkeypatch.setattr(fast_launch, "_current_device", lambda: 0, raising=False)
+    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 99, raising=False)
+    return hooks
+
+
+def test_a_launch_goes_through_triton_once_then_straight_to_the_c_launcher(fast):
+    kernel, _, calls, stock = _fake()
+    x = torch.zeros(8)
+    for _ in range(3):
+        fast_launch.launch(kernel, (5, 2), x, 16, 0.5, BLOCK=32, num_warps=4)
+    assert len(stock) == 1 and stock[0] == ((5, 2), (x, 16, 0.5), {"BLOCK": 32, "num_warps": 4})
+    assert calls == [(5, 2, 1, 99, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                      x.data_ptr(), 16, 0.5, None, None)] * 2
+    fast_launch.launch(kernel, (5,), x, 17, 0.5, BLOCK=32, num_warps=4)  # a new specialization
+    fast_launch.launch(kernel, (5,), x, 16, 0.5, BLOCK=64, num_warps=4)
+    assert len(stock) == 3 and len(calls) == 2
+
+
+def test_hooks_and_unknown_arguments_keep_tritons_path(fast):
+    kernel, _, calls, stock = _fake()
+    x = torch.zeros(8)
+    fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    fast.launch_enter_hook.calls.append(print)  # a profiler's hook: Triton builds its launch metadata
+    fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    fast.launch_enter_hook.calls.clear()
+    fast_launch.launch(kernel, lambda meta: (1,), x, 16, 0.5)  # a grid function
+    for _ in range(2):
+        fast_launch.launch(kernel, (1,), x, (16,), 0.5)
+    assert len(stock) == 5 and not calls
+    fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    assert len(calls) == 1
+
+
+def test_interpreter_keeps_tritons_launcher():
+    if not torch.cuda.is_available():
+        assert not fast_launch.FAST
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU: the same results as Triton's own launcher
+# --------------------------------------------------------------------------------------------
+
+needs_fast_path = pytest.mark.skipif(not fast_launch.FAST, reason="fast launches need Triton 3.6 on a GPU")
+
+
+def _stock_and_fast(monkeypatch, fn):
+    """fn() through Triton's launcher, then twice through the bound one (the first call binds)."""
+    monkeypatch.setattr(fast_launch, "FAST", False)
+    expected = fn()
+    monkeypatch.setattr(fast_launch, "FAST", True)
+    fn()
+    bound_before = sum(b is not None for b in fast_launch._bound.values())
+    got = fn()
+    torch.cuda.synchronize()
+    assert bound_before > 0, "nothing was bound: every launch went through Triton"
+    return expected, got
+
+
+def _assert_same(expected, got):
+    expected, got = (t if isinstance(t, tuple) else (t,) for t in (expected, got))
+    assert len(expected) == len(got)
+    for e, g in zip(expected, got):
+        assert torch.equal(e, g)
+
+
+def _decode_ops(dtype, offset):
+    """The engine's decode ops at a small shape; `offset` elements into each buffer (1: misaligned pointers)."""
+    from fuselab import kernels
+
+    torch.manual_seed(0)
+    dev = "cuda"
+
+    def make(*shape, scale=1.0):
+        n = 1
+        for s in shape:
+            n *= s
+        return (torch.randn(n + offset, device=dev, dtype=dtype) * scale)[offset:].view(*shape)
+
+    x, res, w = make(2, 512), make(2, 512), make(512) + 1
+    gate_up, weight = make(1, 2 * 768), make(256, 512, scale=0.05)
+    qkv = make(2, (8 + 2 * 2) * 64)
+    q, k, v = qkv[:, :512].view(2, 8, 64), qkv[:, 512:640].view(2, 2, 64), qkv[:, 640:].view(2, 2, 64)
+    cos_sin = kernels.rope_cos_sin(256, 64, device=dev)
+    k_cache, v_cache = make(16, 16, 2, 64), make(16, 16, 2, 64)
+    positions = torch.tensor([3, 40], device=dev)
+    slots = torch.tensor([3, 40], device=dev, dtype=torch.int32)
+    tables = torch.arange(16, device=dev, dtype=torch.int32).view(2, 8)
+    lens = torch.tensor([4, 41], device=dev, dtype=torch.int32)
+    logits = make(2, 5000)
+    return {
+        "rms_norm": lambda: kernels.rms_norm(x, w, 1e-6),
+        "rms_norm residual": lambda: kernels.rms_norm(x, w, 1e-6, residual=res),
+        "silu_and_mul": lambda: kernels.silu_and_mul(gate_up),
+        "swiglu": lambda: kernels.swiglu(x, res),
+        "linear": lambda: kernels.linear(x[:1], weight),
+        "argmax": lambda: kernels.argmax(logits),
+        "rope_and_store_kv": lambda: kernels.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache.clone(),
+                                                               v_cache.clone(), slots),
+        "decode_attention": lambda: kernels.decode_attention(q, k_cache, v_cache, tables, lens, max_seq_len=2048),
+    }
+
+
+@pytest.mark.gpu
+@needs_fast_path
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_decode_ops_match_tritons_launcher(monkeypatch, dtype, offset):
+    for name, fn in _decode_ops(dtype, offset).items():
+        expected, got = _stock_and_fast(monkeypatch, fn)
+        _assert_same(expected, got)
+
+
+@pytest.mark.gpu
+@needs_fast_path
+def test_aligned_then_misaligned_then_aligned_inputs_each_get_their_kernel():
+    from fuselab import kernels
+    from fuselab.kernels import reference
+
+    buf = torch.randn(3 * 4096 + 1, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    for offset in (0, 1, 0, 1):
+        x = buf[offset:offset + 3 * 4096].view(3, 4096)
+        torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_fast_path
+def test_quantized_linear_matches_tritons_launcher(monkeypatch):
+    from fuselab import kernels
+
+    torch.manual_seed(0)
+    weight = kernels.quantize_weight(torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 0.05, "int4")
+    for rows in (1, 5):
+        x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+        _assert_same(*_stock_and_fast(monkeypatch, lambda: kernels.quantized_linear(x, weight)))
+
+
+@pytest.mark.gpu
+@needs_fast_path
+def test_launches_follow_the_current_stream(monkeypatch):
+    ops = _decode_ops(torch.bfloat16, 0)
+    expected = {name: _stock_and_fast(monkeypatch, fn)[0] for name, fn in ops.items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = {name: fn() for name, fn in ops.items()}
+    side.synchronize()
+    for name in ops:
+        _assert_same(expected[name], got[name])
+
+    # A launch on another stream than the current one would run before the copy it must follow.
+    from fuselab import kernels
+
+    x_new, w = torch.randn(4, 4096, device="cuda"), torch.rand(4096, device="cuda") + 0.5
+    expected = kernels.rms_norm(x_new, w, 1e-6)
+    x = torch.zeros_like(x_new)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        x.copy_(x_new)
+        got = kernels.rms_norm(x, w, 1e-6)
+    side.synchronize()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_fast_path
+def test_bound_launches_are_captured_and_replayed_by_a_cuda_graph(monkeypatch):
+    from fuselab.kernels import dependent_launches
+
+    ops = _decode_ops(torch.bfloat16, 0)
+    for pdl in (False, True):
+        expected = {name: _stock_and_fast(monkeypatch, fn)[0] for name, fn in ops.items()}
+        with dependent_launches() if pdl else contextlib.nullcontext():
+            for fn in ops.values():
+                fn()  # binds the PDL variants too
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = {name: fn() for name, fn in ops.items()}
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in ops:
+            _assert_same(expected[name], outs[name])
+        if pdl and torch.cuda.get_device_capability()[0] >= 9:
+            assert any(b is not None and b.pdl for b in fast_launch._bound.values())
