@@ -110,11 +110,14 @@ def _replacement_for(module: nn.Module, silu_mlp: bool) -> nn.Module | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _token_positions(n_tokens: int, device: torch.device) -> torch.Tensor:
-    """arange(n_tokens), kept: every layer of a step asks for the same one, and an arange is a launch.
-    Made outside inference mode so that autograd may save it for backward later."""
+def _token_positions(batch: int | None, seq: int, device: torch.device) -> torch.Tensor:
+    """arange(batch * seq) as [batch, seq], or arange(seq) as [seq] for batch None: every layer of a
+    step asks for the same one, and an arange is a launch. Made outside inference mode so that
+    autograd may save it for backward later."""
     with torch.inference_mode(False), torch.no_grad():
-        return torch.arange(n_tokens, device=device)
+        if batch is None:
+            return torch.arange(seq, device=device)
+        return torch.arange(batch * seq, device=device).view(batch, seq)
 
 
 def _fusable(q, k, cos, sin) -> bool:
@@ -144,9 +147,8 @@ def _fused_rotary(q, k, cos, sin):
     half = q.shape[-1] // 2
     cos_batch, seq = cos.shape[:2]
     cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).view(cos_batch * seq, 2 * half)
-    positions = _token_positions(cos_batch * seq, q.device)
-    # One row of cos/sin shared by every batch: apply_rope takes [seq] positions for that.
-    positions = positions.view(cos_batch, seq) if cos_batch == q.shape[0] else positions
+    # cos/sin shared by every batch (position_ids [1, T]): apply_rope takes [seq] positions for that.
+    positions = _token_positions(cos_batch if cos_batch == q.shape[0] else None, seq, q.device)
     # HF's q/k are [B, T, H, D] projections seen as [B, H, T, D]: hand the kernel the former.
     q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), positions, cos_sin)
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
