@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from fuselab.kernels import cross_entropy  # noqa: E402
 from fuselab.optim import FusedAdamW  # noqa: E402
-from fuselab.patching import _FUSED_ROTARY_ACTIVE, FusedRMSNorm, FusedSwiGLUMLP, patch  # noqa: E402
+from fuselab.patching import _FUSED_ROTARY_ACTIVE, FusedRMSNorm, FusedSwiGLUMLP, _token_positions, patch  # noqa: E402
 
 LAYERS = 2
 TINY = dict(
@@ -248,6 +248,9 @@ def test_patched_gradients_match(device, monkeypatch, model_type):
     patch(patched)
     calls = _count_rotate_half(monkeypatch, model_type)
     tokens = _tokens(device)
+    _token_positions.cache_clear()
+    with torch.inference_mode():
+        patched(tokens)  # positions kept from an inference-mode step are still fine to save for backward
     for m in (model, patched):
         m(tokens).logits.float().square().mean().backward()
     assert len(calls) == 2 * LAYERS  # the unpatched model's only: the patched one's went through apply_rope
