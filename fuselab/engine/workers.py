@@ -82,8 +82,21 @@ class WorkerGroup:
     def receive(self, rank: int, timeout_s: float, what: str) -> Any:
         """The next reply of `rank`. Raises TensorParallelError if any rank fails or dies first, or
         if none comes within timeout_s; `what` names the awaited step in that message."""
-        self._check_usable()
+        return self._receive(rank, time.monotonic() + timeout_s, timeout_s, what)
+
+    def receive_all(self, timeout_s: float, what: str) -> list[Any]:
+        """One reply from each rank, in rank order, all within timeout_s."""
         deadline = time.monotonic() + timeout_s
+        return [self._receive(rank, deadline, timeout_s, what) for rank in range(self.size)]
+
+    def close(self) -> None:
+        """Stop every rank (those that do not stop within a few seconds are killed)."""
+        self._finalizer()
+
+    # ---------------------------------------------------------------------------------------
+
+    def _receive(self, rank: int, deadline: float, timeout_s: float, what: str) -> Any:
+        self._check_usable()
         while not self._buffered[rank]:
             try:
                 kind, sender, payload = self._replies.get(timeout=_POLL_S)
@@ -97,17 +110,6 @@ class WorkerGroup:
                 self._fail_errors([(sender, payload)] + self._more_errors(self.size - 1))
             self._buffered[sender].append(payload)
         return self._buffered[rank].popleft()
-
-    def receive_all(self, timeout_s: float, what: str) -> list[Any]:
-        """One reply from each rank, in rank order, all within timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        return [self.receive(rank, max(0.0, deadline - time.monotonic()), what) for rank in range(self.size)]
-
-    def close(self) -> None:
-        """Stop every rank (those that do not stop within a few seconds are killed)."""
-        self._finalizer()
-
-    # ---------------------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
         if self._broken is not None:
