@@ -4,9 +4,12 @@ call within seconds, naming the rank, and leaves no process behind."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -160,6 +163,47 @@ def test_a_failing_rank_fails_the_engine_naming_it(checkpoint, tmp_path):
     with pytest.raises(TensorParallelError, match=r"(?s)rank 1 failed:.*Traceback.*holds NaN"):
         LLM(broken, **ENGINE, tensor_parallel_size=2)
     assert not _ranks_left(before)
+
+
+def test_dropped_engine_stops_its_ranks(checkpoint):
+    before = set(multiprocessing.active_children())
+    llm = LLM(checkpoint, **ENGINE, tensor_parallel_size=2)
+    assert len(_ranks_left(before)) == 2
+    del llm
+    gc.collect()
+    assert not _ranks_left(before)
+
+
+def test_ranks_end_when_the_callers_process_is_killed(tmp_path):
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import multiprocessing, sys, time\n"
+        "from fuselab.engine import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM('tiny', mode='eager', tensor_parallel_size=2)\n"
+        "    print(*(p.pid for p in multiprocessing.active_children()), flush=True)\n"
+        "    time.sleep(3600)\n")
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        ranks = [int(pid) for pid in caller.stdout.readline().split()]
+    finally:
+        caller.kill()
+        caller.wait()
+    assert len(ranks) == 2
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in ranks)
+
+
+def _running(pid):
+    """Whether process pid runs (an exited one that nobody reaped is a zombie, state Z: it does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_generate_cli_takes_tensor_parallel_size(capsys):

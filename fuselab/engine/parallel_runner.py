@@ -22,7 +22,7 @@ from fuselab.engine.parallel import init_rank
 from fuselab.engine.runner import ModelRunner, StepOutput, build_runner
 from fuselab.engine.sampling_params import SamplingParams
 from fuselab.engine.sequence import Sequence, SequenceStatus
-from fuselab.engine.workers import WorkerGroup
+from fuselab.engine.workers import TensorParallelError, WorkerGroup
 
 # Loading an 8B checkpoint and capturing every decode graph takes minutes at most; a healthy step
 # well under a second. Beyond these a rank is taken to be hung. The ranks' collectives time out
@@ -88,7 +88,13 @@ class ParallelRunner:
             self.group.send(("read",))
             self._read_asked = True
         while True:
-            got, tokens = self.group.receive_all(self.step_timeout_s, f"step {step}")[0]
+            replies = self.group.receive_all(self.step_timeout_s, f"step {step}")
+            got, tokens = replies[0]
+            if any(reply != replies[0] for reply in replies[1:]):
+                # Ranks that drew different tokens would feed their shards different inputs from now on.
+                self.group.close()
+                raise TensorParallelError(f"the tensor-parallel ranks sampled different tokens at step {got}: "
+                                          f"{[reply[1] for reply in replies]}")
             if got == step:
                 return tokens
             # Otherwise the tokens of a step dropped unread (a stream closed early): skipped.

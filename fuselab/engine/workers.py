@@ -16,6 +16,7 @@ import multiprocessing
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -159,6 +160,9 @@ class WorkerGroup:
 
 def _rank_main(target: RankTarget, rank: int, size: int, commands: multiprocessing.Queue,
                replies: multiprocessing.Queue, rendezvous: str, args: tuple) -> None:
+    # Ctrl-C in a terminal reaches every process of its group: it is the caller's to handle (a
+    # generate call interrupted leaves the engine usable), and the caller stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
 
     def next_command() -> Any:
@@ -172,7 +176,7 @@ def _rank_main(target: RankTarget, rank: int, size: int, commands: multiprocessi
 
     try:
         target(rank, size, next_command, lambda payload: replies.put(("ok", rank, payload)), rendezvous, *args)
-    except BaseException:  # noqa: BLE001 - everything, KeyboardInterrupt included, is reported
+    except BaseException:  # noqa: BLE001 - everything, SystemExit included, is reported
         replies.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1) from None
 
