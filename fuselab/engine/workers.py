@@ -160,8 +160,8 @@ class WorkerGroup:
 
 def _rank_main(target: RankTarget, rank: int, size: int, commands: multiprocessing.Queue,
                replies: multiprocessing.Queue, rendezvous: str, args: tuple) -> None:
-    # Ctrl-C in a terminal reaches every process of its group: it is the caller's to handle (a
-    # generate call interrupted leaves the engine usable), and the caller stops the ranks.
+    # Ctrl-C in a terminal reaches every process of its group: it is the caller's to handle, and
+    # the caller stops the ranks (a rank killed by it would only fail the caller's next step).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
 
