@@ -42,8 +42,8 @@ class TensorParallelError(RuntimeError):
     and holds its traceback where it sent one. The ranks have been stopped."""
 
 
-# A rank's target: target(rank, size, commands, reply, *args), where commands() blocks for the
-# next command (None: stop) and reply(obj) sends obj back to the caller.
+# A rank's target: target(rank, size, commands, reply, rendezvous_file, *args), where commands()
+# blocks for the next command (None: stop) and reply(obj) sends obj back to the caller.
 RankTarget = Callable[..., None]
 
 
@@ -67,10 +67,6 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._commands, self._dir)
         for proc in self._procs:
             proc.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._broken is None and self._finalizer.alive
 
     def send(self, command: Any) -> None:
         """Queue `command` for every rank. It is pickled now, once: the queues' feeder threads send
