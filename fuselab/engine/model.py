@@ -18,8 +18,8 @@ int8 or fp8 weights, fuselab.engine.quantize): "fused" runs fuselab.kernels.quan
 "eager" its torch reference (a dequantized copy of the weight per call).
 
 Built for one rank of N (tensor parallelism, fuselab.engine.parallel), the model is that rank's
-shard: the config it gets has 1/N of the heads and of the MLP width, and o_proj's and down_proj's
-partial sums are all-reduced over the ranks.
+shard: its config (parallel.shard_config) has 1/N of the heads and of the MLP width, and o_proj's
+and down_proj's partial sums are all-reduced over the ranks.
 """
 
 from __future__ import annotations
