@@ -3,7 +3,8 @@
 The classic experiment (1000 tiny kernels vs one kernel doing the same work), grown into the figures
 every later tool needs: per-launch cost eager / synced / replayed from a CUDA graph, the kernel
 size where launch cost stops mattering, the cost of explicit and implicit syncs, the copy-bandwidth
-and bf16 matmul ceilings (the roofline), and copy/compute overlap across streams.
+and bf16 matmul ceilings (the roofline), and copy/compute overlap across streams; on several GPUs,
+what an NCCL all-reduce costs (fuselab.probe_collectives).
 
 Each section is one function returning a dict of plain numbers; `run_probe` collects them and
 `verdict` turns them into advice. Rendering (table, plot) lives in `fuselab.probe_report`.
@@ -350,6 +351,11 @@ def verdict(result: dict) -> list[str]:
             f"Pinned H2D copies overlap compute on a second stream ({streams['overlap_pct']:.0f}% hidden); pageable ones "
             f"do not ({streams['pageable_overlap_pct']:.0f}%): pin host buffers you copy from."
         )
+    collectives = result.get("collectives", {})
+    if "all_reduce" in collectives:
+        from fuselab.probe_collectives import verdict_line
+
+        lines.append(verdict_line(collectives))
     if not has_cuda():
         lines.append("No CUDA GPU here: launch, graph, sync and stream figures need one; CPU figures are dispatch and compute only.")
     return lines
@@ -373,9 +379,14 @@ def run_probe(quick: bool = False, on_section: Callable[[str, int, int], None] |
         ("ceilings", lambda: measure_ceilings((256 if quick or not gpu else 2048) * 2**20,
                                               (2048 if not gpu else 4096 if quick else 8192), rep_ms=50 if quick else 300)),
     ]
+    gpus = torch.cuda.device_count() if gpu else 0
     if gpu:
         sections.insert(2, ("sync", lambda: measure_syncs(reps=50 if quick else 300)))
         sections.append(("streams", lambda: measure_streams((64 if quick else 256) * 2**20, trials)))
+    if gpus >= 2:
+        from fuselab.probe_collectives import measure_collectives
+
+        sections.append(("collectives", lambda: measure_collectives(quick)))
     info = device_info()
     result: dict = {
         "meta": {
@@ -390,6 +401,8 @@ def run_probe(quick: bool = False, on_section: Callable[[str, int, int], None] |
         if on_section:
             on_section(name, index, len(sections))
         result[name] = measure()
+    if gpus < 2:
+        result["collectives"] = {"skipped": f"the all-reduce figures need 2 or more GPUs; this machine has {gpus}"}
     if gpu:
         launch = result["launch"]
         result["graph"] = {k: launch[k] for k in ("graph_us_per_kernel", "eager_over_graph", "launch_overhead_us")}

@@ -69,6 +69,20 @@ def _sweep_rows(result: dict) -> list[tuple[str, ...]]:
     return rows
 
 
+COLLECTIVE_COLUMNS = ("size", "latency us", "algbw GB/s", "busbw GB/s")
+
+
+def _collective_rows(collectives: dict) -> list[tuple[str, ...]]:
+    rows = [(f"{r['bytes'] >> 10} KiB" if r["bytes"] < 1 << 20 else f"{r['bytes'] >> 20} MiB",
+             _fmt(r["latency_us"], 1), _fmt(r["algbw_gbs"], 1), _fmt(r["busbw_gbs"], 1))
+            for r in collectives["all_reduce"]]
+    o = collectives["overlap"]
+    rows.append((f"{o['bytes'] >> 20} MiB beside a {o['matmul_side']}² matmul",
+                 f"{_fmt(o['together_us'], 0)} (alone {_fmt(o['all_reduce_us'], 0)} + {_fmt(o['matmul_us'], 0)})",
+                 f"{_fmt(o['hidden_pct'], 0)}% hidden", ""))
+    return rows
+
+
 def _table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]], left: int = 0) -> Table:
     table = Table(title=title)
     for i, col in enumerate(columns):
@@ -103,6 +117,12 @@ def markdown(result: dict) -> str:
     ]
     lines += [f"- {line}" for line in result["verdict"]]
     lines += [f"- skipped {s['section']}: {s['reason']}" for s in result.get("skipped", [])]
+    collectives = result.get("collectives", {})
+    if "all_reduce" in collectives:
+        lines += ["", f"All-reduce over {collectives['gpus']} GPUs:", "",
+                  *_markdown_table(COLLECTIVE_COLUMNS, _collective_rows(collectives))]
+    elif "skipped" in collectives:
+        lines.append(f"- skipped collectives: {collectives['skipped']}")
     return "\n".join(lines) + "\n"
 
 
@@ -112,8 +132,14 @@ def render(result: dict, console: Console | None = None) -> None:
     title = f"fuselab probe: {meta['name']} (torch {meta['torch']}, triton {meta['triton']})"
     console.print(_table(title, FIGURE_COLUMNS, _figure_rows(result), left=2))
     console.print(_table(f"size sweep: {result['size_sweep']['tensor']}", SWEEP_COLUMNS, _sweep_rows(result)))
+    collectives = result.get("collectives", {})
+    if "all_reduce" in collectives:
+        console.print(_table(f"all-reduce over {collectives['gpus']} GPUs", COLLECTIVE_COLUMNS,
+                             _collective_rows(collectives)))
     for skipped in result.get("skipped", []):
         console.print(f"[yellow]skipped[/] {skipped['section']}: {skipped['reason']}")
+    if "skipped" in collectives:
+        console.print(f"[yellow]skipped[/] collectives: {collectives['skipped']}")
     console.print("[bold]verdict[/]")
     for line in result["verdict"]:
         console.print(f"  - {line}")

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", type=decode_quant.formats, default=[], metavar="F1,F2,...",
                         help="also run the engine's fused and graphs modes with weights quantized to each format "
                              f"({', '.join(decode_quant.QUANTIZATION_CHOICES)}), and compare their logits with bf16")
+    parser.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                        help="run the engine's modes over N GPUs (its roofline: N GPUs' bandwidth; no kernel count "
+                             "or doctor, whose kernels run in the ranks' processes); default 1")
     parser.add_argument("--out", type=output_dir, default="benchmarks/results", metavar="DIR",
                         help="folder for decode.json, decode.md and decode.png (default benchmarks/results)")
 
@@ -183,13 +186,14 @@ BLOCK_SIZE = 16
 
 
 def build_llm(preset: str, mode: str, max_batch: int, max_model_len: int, tokens_held: int,
-              quantization: str | None = None):
+              quantization: str | None = None, tensor_parallel_size: int = 1):
     """An engine whose KV cache holds `tokens_held` tokens (in whole blocks per sequence) and no more:
     the memory left is the CUDA graphs' and the next mode's."""
     from fuselab.engine import LLM
 
     return LLM(preset, mode=mode, dtype="bfloat16", max_num_seqs=max_batch, max_model_len=max_model_len,
-               block_size=BLOCK_SIZE, num_kv_blocks=-(-tokens_held // BLOCK_SIZE), quantization=quantization)
+               block_size=BLOCK_SIZE, num_kv_blocks=-(-tokens_held // BLOCK_SIZE), quantization=quantization,
+               tensor_parallel_size=tensor_parallel_size)
 
 
 @contextmanager
@@ -267,6 +271,9 @@ def measure_fuselab(llm, batch: int, args: argparse.Namespace) -> dict:
     m = [o.metrics for o in outputs]
     row = _row(llm.mode, batch, [x.ttft_s for x in m], [x.latency_s for x in m],
                [t for x in m for t in x.inter_token_latencies_s], [x.ttft_s for x in m], args.new_tokens)
+    if llm.model is None:  # tensor-parallel: the kernels run in the ranks' processes, not here
+        row.update(kernels_per_step=None, compile_s=llm.runner.capture_s)
+        return row
     with engine_step(llm, prompts, max_tokens=64) as step:
         row["kernels_per_step"] = count_launches(step)["kernels"]
     row["compile_s"] = None if llm.runner.graphs is None else llm.runner.graphs.capture_s
@@ -333,16 +340,17 @@ def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], 
     max_len = args.prompt_len + max(args.new_tokens, DOCTOR_TOKENS) + BLOCK_SIZE
     seq_blocks = -(-(args.prompt_len + args.new_tokens + 1) // BLOCK_SIZE) + 1
     held = BLOCK_SIZE * max(max(args.batch_sizes) * seq_blocks, doctor_batch * -(-max_len // BLOCK_SIZE))
-    llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held, quantization)
+    llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held, quantization, args.tensor_parallel_size)
     label = mode if quantization is None else f"{mode} {quantization}"
-    extra = {"quantization": quantization or "bf16", "weights_gb": weight_bytes(llm.model) / 1e9}
+    extra = {"quantization": quantization or "bf16",
+             "weights_gb": None if llm.model is None else weight_bytes(llm.model) / 1e9}
     if quantization is not None:
         extra["step_weight_bytes"] = decode_quant.step_bytes(llm.model, model_bytes(args.preset)[0])
     for batch in args.batch_sizes:
         rows.append({**measure_fuselab(llm, batch, args), **extra})
         print(f"{label} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
     # A quantized fused mode's doctor would stream DOCTOR_TOKENS host-bound steps to say what bf16's said.
-    if not args.quick and (quantization is None or mode == "graphs"):
+    if not args.quick and llm.model is not None and (quantization is None or mode == "graphs"):
         prompts = _prompts(doctor_batch, args.prompt_len, llm.config.vocab_size)
         with engine_step(llm, prompts, max_tokens=DOCTOR_TOKENS) as step:
             doctor[label] = diagnose_step(step)
@@ -367,7 +375,8 @@ def measure(args: argparse.Namespace) -> dict:
         _release()
     quality = decode_quant.measure(args, modes, rows, doctor, failed, _measure_engine_mode, _release)
     for row in rows:
-        row["roofline_tok_s"] = roofline_tok_s(args.preset, row["batch"], context, roof.copy_bandwidth_gbs,
+        ranks = 1 if row["mode"] in HF_MODES else args.tensor_parallel_size  # each reads its share of the bytes
+        row["roofline_tok_s"] = roofline_tok_s(args.preset, row["batch"], context, ranks * roof.copy_bandwidth_gbs,
                                                row.get("step_weight_bytes"))
         row["bandwidth_pct"] = None if row["decode_tok_s"] is None else 100 * row["decode_tok_s"] / row["roofline_tok_s"]
     weights, kv_per_token = model_bytes(args.preset)
@@ -378,7 +387,8 @@ def measure(args: argparse.Namespace) -> dict:
                    "batch_sizes": args.batch_sizes, "modes": modes, "weight_bytes": weights,
                    "kv_bytes_per_token": kv_per_token, "mean_context": context,
                    "copy_bandwidth_gbs": roof.copy_bandwidth_gbs, "ceilings_source": roof.source,
-                   "doctor_batch": min(args.batch_sizes), "quantization": args.quantization},
+                   "doctor_batch": min(args.batch_sizes), "quantization": args.quantization,
+                   "tensor_parallel_size": args.tensor_parallel_size},
         "rows": rows,
         "doctor": doctor,
         "failed": failed,

@@ -67,6 +67,9 @@ def add_generate_parser(sub) -> None:
                    help="quantize every linear layer's weight as the model loads: int4 (group 128; int4-g64, int4-g32 "
                         "for smaller groups), int8 (per channel) or fp8 (e4m3, per channel). A GPTQ checkpoint is "
                         "read as quantized without it")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs, one process each (on the CPU: N gloo ranks); N must divide the "
+                        "model's attention and KV heads (default 1)")
 
 
 def _check_prompts(args: argparse.Namespace, model_dir: Path | None, config: ModelConfig) -> None:
@@ -98,7 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed)
         _check_prompts(args, *resolve_model(args.model))  # from config.json alone, before the weights are read
         llm = LLM(args.model, mode=mode, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  quantization=args.quantization)
+                  quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
         if len(prompts) == 1:
             return _stream_one(llm, prompts[0], params)
         outputs = llm.generate(prompts, params)

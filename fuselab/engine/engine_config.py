@@ -36,7 +36,9 @@ class EngineConfig:
     torch.dtype, `mode` the mode that runs ("graphs" runs "eager" without a GPU), `quantization`
     a QuantScheme (from the argument, or from a GPTQ checkpoint's config) or None, and
     `max_model_len` and `max_num_batched_tokens` are ints. num_kv_blocks stays None when the
-    cache is to be sized from free memory (known only once the weights are loaded)."""
+    cache is to be sized from free memory (known only once the weights are loaded).
+    tensor_parallel_size must divide the model's attention and KV heads and its MLP width, fit
+    the visible GPUs, and comes with unquantized weights only (fuselab.engine.parallel)."""
 
     model: str | os.PathLike
     mode: str = "graphs"
@@ -49,6 +51,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     max_num_batched_tokens: int | None = None
     quantization: str | QuantScheme | None = None
+    tensor_parallel_size: int = 1
     model_dir: Path | None = field(init=False)  # the checkpoint directory; None for a preset
     model_config: ModelConfig = field(init=False)
 
@@ -59,6 +62,7 @@ class EngineConfig:
         self.mode = _resolve_mode(self.mode, self.device)
         self.dtype = _resolve_dtype(self.dtype, config, self.device)
         self.quantization = _resolve_quantization(self.quantization, config, self.device)
+        _check_tensor_parallel(self.tensor_parallel_size, config, self.device, self.quantization)
         if self.mode != "eager" and config.head_dim not in ATTENTION_HEAD_DIMS:
             raise ValueError(f"mode {self.mode!r} needs a head dim in {ATTENTION_HEAD_DIMS}; this model's is "
                              f"{config.head_dim} (use mode='eager')")
@@ -101,6 +105,31 @@ class EngineConfig:
 def _check_positive_int(name: str, value: object) -> None:
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_tensor_parallel(size: object, config: ModelConfig, device: torch.device,
+                           quantization: QuantScheme | None) -> None:
+    if not is_int(size) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+    if size == 1:
+        return
+    widths = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+              "intermediate_size": config.intermediate_size}
+    uneven = [f"{name} ({width})" for name, width in widths.items() if width % size]
+    if uneven:
+        # Each rank holds whole heads (its KV heads' share of the cache) and an equal slice of the MLP.
+        raise ValueError(f"tensor_parallel_size={size} must divide the model's {' and '.join(uneven)}")
+    if quantization is not None:
+        raise ValueError(f"tensor_parallel_size={size} takes unquantized weights only in this release: drop "
+                         "quantization (or run tensor_parallel_size=1)")
+    if device.type == "cuda":
+        if device.index is not None:
+            raise ValueError(f"tensor_parallel_size={size} places rank r on cuda:r: pass device='cuda', "
+                             f"not {str(device)!r}")
+        visible = torch.cuda.device_count()
+        if size > visible:
+            raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs, one per rank; {visible} "
+                             f"{'is' if visible == 1 else 'are'} visible")
 
 
 def _warn_once(message: str) -> None:

@@ -14,15 +14,13 @@ import torch
 
 from fuselab.engine.config import CheckpointError, eos_token_ids, read_json_object
 from fuselab.engine.engine_config import EngineConfig
-from fuselab.engine.kv_cache import BlockManager, KVCache, num_blocks_for_memory
-from fuselab.engine.model import build_model
-from fuselab.engine.runner import ModelRunner, StepOutput
-from fuselab.engine.sampler import Sampler
+from fuselab.engine.kv_cache import BlockManager
+from fuselab.engine.parallel_runner import ParallelRunner, RemoteStep
+from fuselab.engine.runner import StepOutput, build_runner
 from fuselab.engine.sampling_params import SamplingParams, is_int
 from fuselab.engine.scheduler import Scheduler
 from fuselab.engine.sequence import RequestOutput, Sequence, SequenceStatus
 from fuselab.engine.tokenizer import load_tokenizer
-from fuselab.engine.weights import init_random, load_checkpoint
 
 
 @dataclass(frozen=True)
@@ -49,16 +47,25 @@ class LLM:
     "fp8" quantizes every linear layer's weight as it loads (fuselab.engine.quantize); a GPTQ
     checkpoint is read as the 4-bit model it is. EngineConfig checks these arguments and resolves
     their defaults (`engine_config`). One generate call runs at a time.
+
+    tensor_parallel_size=N splits the model over N ranks (fuselab.engine.parallel), each a child
+    process on its own GPU (cuda:0..N-1; gloo ranks on the CPU), which this engine starts and
+    drives; `model` and `kv_cache` then live in the ranks (None here) and `runner` is a
+    ParallelRunner. A rank that fails or hangs fails the call with a
+    fuselab.engine.workers.TensorParallelError naming it, and stops every rank; `close()` (or
+    leaving a `with LLM(...)` block, or the engine's garbage collection, or exit) stops them too.
+    Unquantized weights only for now: tensor_parallel_size > 1 with quantization is a ValueError.
     """
 
     def __init__(self, model: str | os.PathLike, mode: str = "graphs", dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
                  kv_cache_memory_fraction: float = 0.9, *, block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_num_batched_tokens: int | None = None, quantization: str | None = None) -> None:
+                 max_num_batched_tokens: int | None = None, quantization: str | None = None,
+                 tensor_parallel_size: int = 1) -> None:
         self.engine_config = engine_config = EngineConfig(
             model, mode, dtype, device, max_num_seqs, max_model_len, kv_cache_memory_fraction,
             block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=max_num_batched_tokens,
-            quantization=quantization)
+            quantization=quantization, tensor_parallel_size=tensor_parallel_size)
         self.config = config = engine_config.model_config
         self.device, self.mode, self.dtype = engine_config.device, engine_config.mode, engine_config.dtype
         self.max_model_len = engine_config.max_model_len
@@ -66,28 +73,16 @@ class LLM:
         # The small files first: a broken one is reported before the weights are read.
         self.tokenizer = load_tokenizer(engine_config.model_dir)
         eos_ids = config.eos_token_ids + _generation_eos(engine_config.model_dir)
-        self.model = build_model(config, self.dtype, self.device, self.max_model_len, self.mode,
-                                 engine_config.quantization)
-        if engine_config.model_dir is None:
-            init_random(self.model)
+        if engine_config.tensor_parallel_size == 1:
+            self.model, self.kv_cache, self.runner = build_runner(engine_config, self.device)
+            num_kv_blocks = self.kv_cache.num_blocks
         else:
-            load_checkpoint(self.model, engine_config.model_dir)
-
-        num_kv_blocks = engine_config.num_kv_blocks
-        if num_kv_blocks is None:
-            # Sized now, from the memory the weights left free.
-            num_kv_blocks = num_blocks_for_memory(config, engine_config.block_size, self.dtype, self.device,
-                                                  engine_config.kv_cache_memory_fraction,
-                                                  engine_config.max_num_seqs * engine_config.blocks_per_seq)
-            engine_config.check_num_kv_blocks(num_kv_blocks)
-        self.kv_cache = KVCache(config, num_kv_blocks, engine_config.block_size, self.dtype, self.device)
+            self.model = self.kv_cache = None
+            self.runner = ParallelRunner(engine_config)
+            num_kv_blocks = self.runner.num_kv_blocks
         self.scheduler = Scheduler(BlockManager(num_kv_blocks, engine_config.block_size), engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens, self.max_model_len, eos_ids)
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(), self.device, engine_config.max_num_seqs,
-                                  cuda_graphs=self.mode == "graphs")
-        if self.mode != "eager" and self.device.type == "cuda":
-            self.runner.warm_up_prefill(engine_config.max_num_batched_tokens)
-        self._in_flight: StepOutput | None = None  # the step the GPU may still be running
+        self._in_flight: StepOutput | RemoteStep | None = None  # the step the GPU may still be running
         self._next_seq_id = 0
 
     # ---------------------------------------------------------------------------------------
@@ -115,6 +110,17 @@ class LLM:
         """Yields each token as soon as the host has it. Bad prompts or parameters raise here,
         before the first token; closing the iterator early drops the unfinished requests."""
         return self._run(self._make_sequences(prompts, sampling_params), with_text=self.tokenizer is not None)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (the engine cannot run after). Idempotent."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # ---------------------------------------------------------------------------------------
     # Engine loop

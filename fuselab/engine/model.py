@@ -16,6 +16,10 @@ output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV.
 With a quantization scheme every projection, lm_head included, is a QuantizedLinear (packed int4,
 int8 or fp8 weights, fuselab.engine.quantize): "fused" runs fuselab.kernels.quantized_linear,
 "eager" its torch reference (a dequantized copy of the weight per call).
+
+Built for one rank of N (tensor parallelism, fuselab.engine.parallel), the model is that rank's
+shard: its config (parallel.shard_config) has 1/N of the heads and of the MLP width, and o_proj's
+and down_proj's partial sums are all-reduced over the ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch import nn
 
 from fuselab import kernels
 from fuselab.engine.config import ModelConfig
+from fuselab.engine.parallel import TensorParallel, shard_config
 from fuselab.engine.quantize import QuantizedLinear, QuantScheme, bind_quantized
 from fuselab.kernels import reference, reference_quant
 
@@ -113,7 +118,7 @@ class Attention(nn.Module):
     graph captured after holds it by address."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int, quant: QuantScheme | None = None) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None, all_reduce: Callable | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
@@ -130,6 +135,7 @@ class Attention(nn.Module):
         self.max_model_len = max_model_len
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial o_proj output in place
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         ops, tokens = self.ops, x.shape[0]
@@ -150,7 +156,10 @@ class Attention(nn.Module):
         else:
             o = ops.decode_attention(q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens, self.scale,
                                      self.max_model_len)
-        return ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
+        out = ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 def in_major_linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
@@ -175,23 +184,28 @@ def make_linear(in_features: int, out_features: int, dtype: torch.dtype, quant: 
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, quant: QuantScheme | None = None) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, quant: QuantScheme | None = None,
+                 all_reduce: Callable | None = None) -> None:
         super().__init__()
         self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, dtype, quant, in_major=True)
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size, dtype, quant)
         self.ops = ops
+        self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial down_proj output in place
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        return ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int, quant: QuantScheme | None = None) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None, all_reduce: Callable | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype, ops, cos_sin, max_model_len, quant)
-        self.mlp = MLP(config, dtype, ops, quant)
+        self.self_attn = Attention(config, dtype, ops, cos_sin, max_model_len, quant, all_reduce)
+        self.mlp = MLP(config, dtype, ops, quant, all_reduce)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
@@ -209,17 +223,21 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names follow Hugging Face's, with q/k/v_proj merged into qkv_proj and
     gate/up_proj into gate_up_proj. With tied embeddings there is no lm_head: the logits
     read the embedding matrix; quantized, lm_head is a quantized copy of it (`head_copies_embedding`:
-    the loader fills it), the lookups keep the float table. Build it with build_model."""
+    the loader fills it), the lookups keep the float table. Build it with build_model; with
+    `tensor_parallel`, config is the rank's shard (parallel.shard_config)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int, quant: QuantScheme | None = None) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tensor_parallel = tensor_parallel
+        all_reduce = None if tensor_parallel is None else tensor_parallel.all_reduce
         self.max_model_len = max_model_len
         self.ops = ops
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len, quant)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len, quant, all_reduce)
                                           for _ in range(config.num_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         head_quant = quant if quant is not None and quant.quantize_head else None
@@ -256,10 +274,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                mode: str, quant: QuantScheme | None = None) -> LlamaForCausalLM:
+                mode: str, quant: QuantScheme | None = None,
+                tensor_parallel: TensorParallel | None = None) -> LlamaForCausalLM:
     """An uninitialized model on `device`, running `mode`'s ops (with `quant`, on quantized
-    projections): built on the meta device, so no memory is written twice (the weights come from
-    a checkpoint or a random init next)."""
+    projections; with `tensor_parallel`, the rank's shard of the model of `config`): built on the
+    meta device, so no memory is written twice (the weights come from a checkpoint or a random
+    init next)."""
     fused = mode in ("fused", "graphs")
     if quant is None:
         ops = FUSED_OPS if fused else EAGER_OPS
@@ -267,8 +287,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
         ops = FUSED_QUANT_OPS if fused else EAGER_QUANT_OPS
     cos_sin = kernels.rope_cos_sin(max_model_len, config.head_dim, config.rope_theta, config.rope_scaling,
                                    device=device)
+    if tensor_parallel is not None:
+        config = shard_config(config, tensor_parallel.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype, ops, cos_sin, max_model_len, quant)
+        model = LlamaForCausalLM(config, dtype, ops, cos_sin, max_model_len, quant, tensor_parallel)
     model = model.to_empty(device=device).eval()
     bind_quantized(model)  # the packed buffers were replaced by to_empty
     return model

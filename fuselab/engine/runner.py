@@ -19,10 +19,13 @@ from typing import NamedTuple
 import torch
 
 from fuselab.engine.cuda_graphs import DecodeGraphs
-from fuselab.engine.kv_cache import KVCache
-from fuselab.engine.model import AttentionMetadata, LlamaForCausalLM
+from fuselab.engine.engine_config import EngineConfig
+from fuselab.engine.kv_cache import KVCache, num_blocks_for_memory
+from fuselab.engine.model import AttentionMetadata, LlamaForCausalLM, build_model
+from fuselab.engine.parallel import TensorParallel
 from fuselab.engine.sampler import Sampler, SamplingBatch
 from fuselab.engine.sequence import Sequence
+from fuselab.engine.weights import init_random, load_checkpoint
 from fuselab.graphs import default_buckets
 from fuselab.kernels import dependent_launches
 
@@ -257,3 +260,32 @@ class ModelRunner:
         for s in seqs:
             s.num_inflight += 1
         return StepOutput(seqs, tokens, self._pin)
+
+
+def build_runner(engine_config: EngineConfig, device: torch.device,
+                 tensor_parallel: TensorParallel | None = None) -> tuple[LlamaForCausalLM, KVCache, ModelRunner]:
+    """The model with its weights, the KV cache and the runner over them (its graphs captured) on
+    `device`; with `tensor_parallel`, this rank's shard of each, every rank holding as many cache
+    blocks as the one with the least memory."""
+    config = engine_config.model_config
+    model = build_model(config, engine_config.dtype, device, engine_config.max_model_len, engine_config.mode,
+                        engine_config.quantization, tensor_parallel)
+    if engine_config.model_dir is None:
+        init_random(model)
+    else:
+        load_checkpoint(model, engine_config.model_dir)
+    num_kv_blocks = engine_config.num_kv_blocks
+    if num_kv_blocks is None:
+        # Sized now, from the memory the weights left free.
+        num_kv_blocks = num_blocks_for_memory(model.config, engine_config.block_size, engine_config.dtype, device,
+                                              engine_config.kv_cache_memory_fraction,
+                                              engine_config.max_num_seqs * engine_config.blocks_per_seq)
+        if tensor_parallel is not None:
+            num_kv_blocks = tensor_parallel.min_over_ranks(num_kv_blocks, device)
+        engine_config.check_num_kv_blocks(num_kv_blocks)
+    kv_cache = KVCache(model.config, num_kv_blocks, engine_config.block_size, engine_config.dtype, device)
+    runner = ModelRunner(model, kv_cache, Sampler(), device, engine_config.max_num_seqs,
+                         cuda_graphs=engine_config.mode == "graphs")
+    if engine_config.mode != "eager" and device.type == "cuda":
+        runner.warm_up_prefill(engine_config.max_num_batched_tokens)
+    return model, kv_cache, runner

@@ -5,6 +5,7 @@ copied into their rows of the merged qkv_proj, gate/up into gate_up_proj, so eac
 GEMMs where the checkpoint has five. A quantized model (QuantizedLinear projections) quantizes each
 float projection as it is read, or, from a GPTQ checkpoint, repacks its 4-bit codes
 (fuselab.engine.gptq); a random init quantizes the very weights the float model would draw.
+A tensor-parallel rank's model reads only its slice of each split projection (fuselab.engine.parallel).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from fuselab.engine import gptq
 from fuselab.engine.config import CheckpointError, read_json_object
 from fuselab.engine.model import LlamaForCausalLM
+from fuselab.engine.parallel import full_shape, read_shard, split_dim
 from fuselab.engine.quantize import QuantizedLinear, quantized_layers
 
 # Tensors some checkpoints carry that the engine recomputes.
@@ -105,8 +107,9 @@ def load_checkpoint(model: LlamaForCausalLM, path: str | Path) -> None:
                         weight = _read_float(f, file, name, model, _float_shape(layer, rows))
                         layer.quantize_(weight, rows)
                     else:
-                        weight = _destination(model, params, file, name, f.get_slice(name))
-                        weight.copy_(f.get_tensor(name))
+                        view = f.get_slice(name)
+                        weight = _destination(model, params, file, name, view)
+                        weight.copy_(_read(f, view, name, model))
                     # After the cast: a value the model's dtype cannot hold is as wrong as a NaN.
                     finite.append(weight.isfinite().all())
                     checked.append((name, weight.dtype))
@@ -184,10 +187,24 @@ def _destination(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter],
     if view.get_dtype() not in _WEIGHT_DTYPES:
         raise CheckpointError(f"checkpoint {file}: tensor {name!r} has dtype {view.get_dtype()}; weights must be "
                               f"{', '.join(_WEIGHT_DTYPES)}")
-    if tuple(view.get_shape()) != tuple(dest.shape):
+    expected = tuple(dest.shape)
+    dim = _split_dim(name, model)
+    if dim is not None:
+        expected = full_shape(expected, dim, model.tensor_parallel.size)
+    if tuple(view.get_shape()) != expected:
         raise CheckpointError(f"checkpoint {file}: tensor {name!r} has shape {tuple(view.get_shape())}, the model "
-                              f"expects {tuple(dest.shape)}")
+                              f"expects {expected}")
     return dest
+
+
+def _split_dim(name: str, model: LlamaForCausalLM) -> int | None:
+    """The dim a tensor-parallel rank reads a slice of; None: it reads the whole tensor."""
+    return None if model.tensor_parallel is None else split_dim(name)
+
+
+def _read(f, view, name: str, model: LlamaForCausalLM) -> torch.Tensor:
+    dim = _split_dim(name, model)
+    return f.get_tensor(name) if dim is None else read_shard(view, dim, model.tensor_parallel)
 
 
 @torch.no_grad()
