@@ -20,6 +20,13 @@ from fuselab.engine.quant_quality import compare, log_probs
 from fuselab.engine.quantize import QUANTIZATION_CHOICES, QuantizedLinear, parse_quantization, weight_bytes
 from fuselab.kernels import quantize_weight
 
+
+@pytest.fixture(autouse=True)
+def _every_scheme_allowed(monkeypatch):
+    """These tests check the schemes themselves; which of them a GPU refuses is tested on its own."""
+    monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 PROMPTS = [[3, 4, 5, 6], [200] * 25]
 
@@ -178,10 +185,13 @@ def test_step_bytes_count_each_projection_packed():
 
 
 @pytest.mark.gpu
-def test_quantization_on_a_gpu_is_refused_until_its_kernels_are_right(checkpoints, monkeypatch):
+def test_schemes_not_yet_checked_on_a_gpu_are_refused_there(checkpoints, monkeypatch):
     monkeypatch.delenv(EXPERIMENTAL_GPU_QUANT, raising=False)
-    with pytest.raises(ValueError, match=EXPERIMENTAL_GPU_QUANT):
-        LLM(checkpoints["llama3"][1], device="cuda", quantization="int8")
+    for quantization in ("int4-g32", "int4-g64"):
+        with pytest.raises(ValueError, match=EXPERIMENTAL_GPU_QUANT):
+            LLM(checkpoints["llama3"][1], device="cuda", quantization=quantization)
+    for quantization in ("int4", "int8", "fp8"):
+        LLM(checkpoints["llama3"][1], device="cuda", mode="fused", quantization=quantization)
 
 
 @pytest.mark.gpu
