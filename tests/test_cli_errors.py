@@ -117,7 +117,7 @@ def test_generate_prompt_options_are_checked(capsys, args, message):
 
 
 def test_generate_token_ids_outside_the_vocabulary_are_refused_before_loading(capsys, monkeypatch, checkpoint):
-    monkeypatch.setattr("fuselab.engine.llm.load_checkpoint", lambda *a: pytest.fail("weights were read"))
+    monkeypatch.setattr("fuselab.engine.runner.load_checkpoint", lambda *a: pytest.fail("weights were read"))
     line = _engine_error(capsys, ["generate", "--model", str(checkpoint), "--prompt-ids", "5,256"])
     assert line.endswith("argument --prompt-ids: token id 256 is outside the model's vocabulary [0, 256)")
 
