@@ -332,7 +332,7 @@ class AsyncLLM:
 
     def _read_stats(self) -> EngineStats:
         scheduler = self.llm.scheduler
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), self.llm.kv_cache.num_blocks,
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), self.llm.num_kv_blocks,
                            scheduler.block_manager.num_free_blocks, scheduler.num_preemptions)
 
 

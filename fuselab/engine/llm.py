@@ -80,6 +80,7 @@ class LLM:
             self.model = self.kv_cache = None
             self.runner = ParallelRunner(engine_config)
             num_kv_blocks = self.runner.num_kv_blocks
+        self.num_kv_blocks = num_kv_blocks
         self.scheduler = Scheduler(BlockManager(num_kv_blocks, engine_config.block_size), engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens, self.max_model_len, eos_ids)
         self._in_flight: StepOutput | RemoteStep | None = None  # the step the GPU may still be running

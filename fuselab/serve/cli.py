@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from fuselab.engine.cli import QUANTIZATION_CHOICES
+
 DESCRIPTION = (
     "Serve a local Hugging Face checkpoint directory or a preset (tiny, llama3-1b, llama3-8b, qwen3-0.6b; random "
     "weights, prompts read as UTF-8 bytes) over an OpenAI-compatible HTTP API: POST /v1/completions and "
@@ -42,9 +44,12 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a jinja chat template to use instead of the checkpoint's")
-    p.add_argument("--quantization", default="none", metavar="none",
-                   help="weight quantization: not implemented in the engine yet, so only 'none' (the default) is "
-                        "accepted")
+    p.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                   help="quantize every linear layer's weight as the model loads: int4 (group 128; int4-g64, int4-g32 "
+                        "for smaller groups), int8 (per channel) or fp8 (e4m3, per channel); a GPTQ checkpoint is "
+                        "served quantized without it")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs, one process each (on the CPU: N gloo ranks) (default 1)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
 
@@ -54,9 +59,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"fuselab serve: {message}", file=sys.stderr)
         return 2
 
-    if args.quantization != "none":
-        return fail(f"--quantization {args.quantization}: quantization is not implemented in the engine yet; "
-                    "only 'none' is accepted")
     try:
         import uvicorn
 
@@ -73,7 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
             with open(args.chat_template, encoding="utf-8") as f:
                 source = f.read()
         llm = LLM(args.model, mode=args.mode or ("graphs" if has_cuda() else "eager"), dtype=args.dtype,
-                  device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                  device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
         app = build_app(llm, args.served_model_name or args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                         max_waiting=args.max_waiting,
                         chat_template=source and ChatTemplate.from_dir(llm.engine_config.model_dir, source))
