@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fuselab.bench import decode as bench_decode
+from fuselab.bench import decode_report
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -48,7 +49,7 @@ def _result() -> dict:
                  bandwidth_pct=100 * 100.0 * (i + 1) / (1700.0 * b))
             for i, m in enumerate(bench_decode.MODES) for b in (1, 8)]
     rows[2]["logits_vs_hf"] = {"max_rel_diff": 3e-3, "argmax_agreement": 0.995}
-    parts = {p: {"us": 10.0, "share": 0.2} for p in bench_decode.BREAKDOWN}
+    parts = {p: {"us": 10.0, "share": 0.2} for p in decode_report.BREAKDOWN}
     doctor = {"graphs": dict(verdict="memory-bound", wall_us_per_step=700.0, kernels_per_step=180, syncs_per_step=0,
                              gpu_busy_pct=95.0, breakdown=parts, first_fix=None)}
     return {"header": {"date": "2026-12-01T00:00:00+00:00", "command": "fuselab bench decode",

@@ -11,6 +11,7 @@ import torch
 
 from engine_checkpoints import build_hf_model, save_checkpoint
 from fuselab.bench import decode as bench_decode
+from fuselab.bench import decode_report
 from fuselab.bench import decode_quant
 from fuselab.cli import main
 from fuselab.engine import LLM, SamplingParams
@@ -159,7 +160,7 @@ def test_quantized_rows_sit_beside_bf16_with_their_own_roofline(monkeypatch, tmp
         f: {"mean_kl": 0.01, "top1_agreement": 0.97, "positions": new_tokens} for f in formats})
     args = _bench_args("--preset", "llama3-8b", "--modes", "eager,graphs", "--quantization", "int4,int8", "--quick")
     result = bench_decode.measure(args)
-    labels = [(bench_decode._label(r), r["batch"]) for r in result["rows"]]
+    labels = [(decode_report._label(r), r["batch"]) for r in result["rows"]]
     assert labels == [("eager", 1), ("graphs", 1), ("graphs int4", 1), ("graphs int8", 1)]  # eager takes no format
     bf16, int4 = result["rows"][1], result["rows"][2]
     assert int4["roofline_tok_s"] > 3 * bf16["roofline_tok_s"]
