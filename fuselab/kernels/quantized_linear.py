@@ -313,31 +313,6 @@ def _launch_mma(x2, weight, bias, y2, config=None, num_stages=MMA_NUM_STAGES) ->
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _fp8_byte_order(k_padded: int, device: torch.device) -> torch.Tensor:
-    """The element of x each byte of a packed fp8 row multiplies: byte 4·i + j of a block holds
-    element 16·j + i (quant_pack's layout), so x gathered in this order meets the weight's bytes
-    read as a plain [N, K] float8 matrix."""
-    p = torch.arange(k_padded, device=device)
-    block, word, code = p // 64, (p % 64) // 4, p % 4
-    return block * 64 + code * 16 + word
-
-
-def fp8_scaled_mm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor) -> None:
-    """W8A8 on the tensor cores: x quantized to e4m3 per row (dynamic scale), the packed weight
-    read in place as float8 [N, K] with x's columns in its byte order, torch._scaled_mm with the
-    weight's per-channel scales. CUDA only (Hopper's fp8 MMA)."""
-    k_padded = weight.data.shape[1] * 4
-    x = x2 if k_padded == x2.shape[1] else torch.nn.functional.pad(x2, (0, k_padded - x2.shape[1]))
-    x = x.index_select(1, _fp8_byte_order(k_padded, x.device))
-    x_scale = x.abs().amax(dim=1, keepdim=True).float().div_(448.0).clamp_(min=1e-12)
-    xq = (x / x_scale).to(torch.float8_e4m3fn)
-    w = weight.data.view(torch.float8_e4m3fn)
-    out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=weight.scales.view(1, -1), bias=bias,
-                           out_dtype=y2.dtype)
-    y2.copy_(out)
-
-
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight as a dense [out_features, in_features] tensor of `dtype` (one kernel)."""
     n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
