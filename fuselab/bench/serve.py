@@ -188,8 +188,9 @@ def summarize(rate: float, results: list[dict], duration_s: float) -> dict:
         row[f"{name}_mean"] = sum(values) / len(values) if values else None
         row[f"{name}_p50"], row[f"{name}_p99"] = _percentile(values, 50), _percentile(values, 99)
     # The tail's requests by name: whether a slow first token is the first requests' (warm-up) or load's.
-    row["slowest_ttft"] = [{"index": r.get("index"), "arrival_s": r.get("arrival_s"), "prompt_tokens": r["prompt_tokens"],
-                            "ttft_ms": 1e3 * r["ttft"]} for r in sorted(ok, key=lambda r: -r["ttft"])[:SLOWEST]]
+    row["slowest_ttft"] = [{"index": r.get("index"), "arrival_s": r.get("arrival_s"),
+                            "prompt_tokens": r["prompt_tokens"], "ttft_ms": 1e3 * r["ttft"]}
+                           for r in sorted(ok, key=lambda r: -r["ttft"])[:SLOWEST]]
     return row
 
 

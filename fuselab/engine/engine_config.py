@@ -200,7 +200,10 @@ EXPERIMENTAL_GPU_QUANT = "FUSELAB_EXPERIMENTAL_GPU_QUANT"
 def _resolve_quantization(value: object, config: ModelConfig, device: torch.device) -> QuantScheme | None:
     scheme = value if isinstance(value, QuantScheme) else parse_quantization(value)
     checkpoint = config.quantization
-    unchecked = (checkpoint is not None and scheme is None) or (scheme is not None and scheme.name not in GPU_CHECKED_SCHEMES)
+    if scheme is not None:
+        unchecked = scheme.name not in GPU_CHECKED_SCHEMES
+    else:
+        unchecked = checkpoint is not None
     if unchecked and device.type == "cuda" and os.environ.get(EXPERIMENTAL_GPU_QUANT) != "1":
         what = f"quantization={value!r}" if scheme is not None else f"a {checkpoint.method} checkpoint"
         raise ValueError(f"{what} is not yet checked on a GPU in this release (see docs/quantization.md): use one of "
