@@ -34,7 +34,8 @@ from fuselab.kernels._common.validate import (
     contiguous,
     needs_autograd,
 )
-from fuselab.kernels.linear import NUM_WARPS, _check as check_linear, gemv_blocks, gemv_wins, linear
+from fuselab.kernels.linear import NUM_WARPS, gemv_blocks, gemv_wins, linear
+from fuselab.kernels.linear import _check as check_linear
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.swiglu import silu_and_mul
 
@@ -63,7 +64,7 @@ def _add_rms_norm_gemv_kernel(
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
     # x + residual rounded to the input dtype, as rms_norm forms it; one program stores it for the next add.
     x = load_input_row(X, R, H, ks, k_ok, HAS_RESIDUAL, False)
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if pid == 0:
             tl.store(H + ks, x.to(H.dtype.element_ty), mask=k_ok)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
