@@ -4,16 +4,26 @@ For a Llama shape with random weights (bf16, nothing downloaded), a prompt of --
 and --new-tokens greedy new tokens per sequence, at each batch size:
 
 - hf: Hugging Face transformers, eager `generate`;
-- hf-patch: the same model after `fuselab.patch` (its norms and MLP activation through fuselab's
-  kernels), eager `generate`; its logits on the prompt are checked against hf's first;
+- hf-patch: a deep copy of hf's model after `fuselab.patch` (its norms, MLP activation and rotary
+  embedding through fuselab's kernels), eager `generate`; its logits on a prompt checked against hf's;
 - hf-compile: transformers with a static cache and torch.compile(mode="reduce-overhead") (its
   own fast path); its first call per batch size is compilation and timed apart;
 - eager, fused, graphs: the fuselab engine in each mode.
 
-Per mode: decode tok/s = batch · (new − 1) / (time(new) − time(first token)), time to first token,
-inter-token latency p50/p99, kernels per decode step, and "bandwidth achieved": the rate over the
-roofline's (every weight once, plus the KV cache at the mean context, over `fuselab probe`'s copy
-bandwidth). Then the doctor's breakdown of one decode step of each mode at the smallest batch.
+Decode tok/s = batch · (new − 1) / (T(new) − T(1)), T(n) the wall time of one whole generate of
+n tokens a sequence: for transformers a plain `model.generate` as a user calls it (no streamer,
+decode_hf.py), for the engine `LLM.generate`. Each mode first runs one generate of --new-tokens
+(warm-up: the first pass over new context lengths runs slower; its rate is reported apart), then
+--rounds rounds of T(1) and T(new); the row holds their median and range. hf, hf-patch and fused
+(on one GPU) are built together and take turns within each round (hf, hf-patch, fused, hf, ...),
+so that the host's speed, which moves during a run, weighs on each alike; their "vs hf" is the
+median of the per-round ratios. Other rows' vs hf is the ratio of medians from the same run.
+
+Then per mode, from one more generate: time to first token and inter-token latency p50/p99
+(transformers: a streamer noting each token's arrival; the engine: its requests' metrics), kernels
+per decode step, "bandwidth achieved" (the rate over the roofline's: every weight once, plus the
+KV cache at the mean context, over `fuselab probe`'s copy bandwidth), and the doctor's breakdown of
+one decode step of each mode at the smallest batch.
 
 With --quantization int4,int8,fp8 the engine's fused and graphs modes run again on each format
 (the same random weights, quantized), side by side with bf16: bandwidth against the quantized
@@ -27,24 +37,26 @@ import gc
 import random
 import statistics
 import time
-import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
 
-from fuselab.bench import batch_sizes, command_line, decode_quant, error_text, output_dir, positive_int, write_json
+from fuselab.bench import batch_sizes, command_line, decode_hf, decode_quant, output_dir, positive_int, write_json
 from fuselab.bench.decode_report import print_table, write_markdown, write_plot
+from fuselab.bench.decode_rounds import Contender, attempt, measure_contenders
 from fuselab.bench.graphs import count_launches
 from fuselab.device import ceilings, device_info, has_cuda
 
 PRESETS = ("llama3-1b", "llama3-8b")
 MODES = ("hf", "hf-patch", "hf-compile", "eager", "fused", "graphs")
 HF_MODES = ("hf", "hf-patch", "hf-compile")
+INTERLEAVED = ("hf", "hf-patch", "fused")
 BATCH_SWEEP = [1, 8, 64, 256]
-DTYPE = torch.bfloat16
+DTYPE = decode_hf.DTYPE
 # The doctor's step is one engine step drawn from a long stream: enough tokens for its warm-up,
 # profiled steps and unprofiled timing.
 DOCTOR_TOKENS = 2048
@@ -69,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=256, help="new tokens per sequence (default 256)")
     parser.add_argument("--modes", type=_modes, default=list(MODES), metavar="M1,M2,...",
                         help=f"modes to run, among {','.join(MODES)} (default all)")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="timed rounds per mode and batch size; the row is their median, with their range "
+                             "(default 3)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--quick", action="store_true", help="32 new tokens and no doctor: a rough result in a minute")
     parser.add_argument("--quantization", type=decode_quant.formats, default=[], metavar="F1,F2,...",
@@ -105,76 +120,6 @@ def roofline_tok_s(preset: str, batch: int, context: float, bandwidth_gbs: float
     weights, kv_per_token = model_bytes(preset)
     step_bytes = (weights if weight_bytes is None else weight_bytes) + batch * context * kv_per_token
     return batch * bandwidth_gbs * 1e9 / step_bytes
-
-
-# --------------------------------------------------------------------------------------------
-# Hugging Face transformers
-# --------------------------------------------------------------------------------------------
-
-
-def build_hf(preset: str):
-    import transformers
-
-    from fuselab.engine.config import PRESETS as SHAPES
-
-    fields = {k: v for k, v in SHAPES[preset].items() if k != "model_type"}
-    # transformers 5 takes the rope settings as one dict, theta included; no end-of-sequence
-    # token, so that every sequence generates all its tokens.
-    fields["rope_parameters"] = {**fields.pop("rope_scaling"), "rope_theta": fields.pop("rope_theta")}
-    config = transformers.LlamaConfig(**{**fields, "eos_token_id": None})
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPE)  # initialized in bf16 directly: no float32 copy of an 8B model
-    try:
-        with torch.device("cuda"):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model.eval()
-
-
-class _TokenClock:
-    """A transformers streamer that notes when each new token reaches the host."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if self._prompt_seen:
-            self.times.append(time.perf_counter())
-        self._prompt_seen = True  # the first call hands over the prompt
-
-    def end(self) -> None:
-        pass
-
-
-def _hf_generate(model, input_ids: torch.Tensor, new_tokens: int) -> tuple[float, list[float]]:
-    """(start, host time of each new token) of one greedy generate."""
-    clock = _TokenClock()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, streamer=clock)
-    torch.cuda.synchronize()
-    return start, clock.times
-
-
-def _hf_decode_step(model, input_ids: torch.Tensor) -> Callable[[], None]:
-    """One decode step of the model over a growing dynamic cache, for the doctor."""
-    with torch.no_grad():
-        out = model(input_ids, use_cache=True)
-    state = {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
-
-    def step() -> None:
-        with torch.no_grad():
-            out = model(state["token"], past_key_values=state["cache"], use_cache=True)
-        state["token"] = out.logits[:, -1:].argmax(-1)
-
-    return step
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,57 +172,13 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _row(mode: str, batch: int, first_times: list[float], last_times: list[float], itls: list[float],
-         ttfts: list[float], new_tokens: int) -> dict:
-    # Every sequence decodes in lockstep once the last one has its first token.
-    decode_s = max(last_times) - max(first_times)
+def _latencies(ttfts: list[float], itls: list[float]) -> dict:
     itls_ms = sorted(1e3 * t for t in itls)
     return {
-        "mode": mode, "batch": batch,
-        "decode_tok_s": batch * (new_tokens - 1) / decode_s if decode_s > 0 else None,
         "ttft_ms": 1e3 * statistics.median(ttfts),
         "itl_p50_ms": statistics.median(itls_ms) if itls_ms else None,
         "itl_p99_ms": itls_ms[min(len(itls_ms) - 1, int(0.99 * len(itls_ms)))] if itls_ms else None,
     }
-
-
-def measure_hf(mode: str, model, batch: int, args: argparse.Namespace) -> dict:
-    ids = torch.tensor(_prompts(batch, args.prompt_len, model.config.vocab_size), device="cuda")
-    compile_s = None
-    if mode == "hf-compile":
-        start = time.perf_counter()
-        _hf_generate(model, ids, args.new_tokens)  # compiles and records graphs for this batch size
-        compile_s = time.perf_counter() - start
-    else:
-        _hf_generate(model, ids, 8)  # warm-up: cuBLAS handles, allocator
-    start, times = _hf_generate(model, ids, args.new_tokens)
-    row = _row(mode, batch, [times[0]], [times[-1]], [b - a for a, b in zip(times, times[1:])],
-               [times[0] - start], args.new_tokens)
-    # A whole generate's kernels over its tokens (its prefill is one token's share). The compiled
-    # path keeps its length (another would make the static cache another shape and compile again);
-    # eager profiles a short one, as its hundreds of kernels a step make long traces slow to record.
-    n = args.new_tokens if mode == "hf-compile" else min(args.new_tokens, 17)
-    kernels = count_launches(lambda: _hf_generate(model, ids, n))["kernels"]
-    row.update(kernels_per_step=kernels / n, compile_s=compile_s)
-    return row
-
-
-def measure_fuselab(llm, batch: int, args: argparse.Namespace) -> dict:
-    from fuselab.engine import SamplingParams
-
-    prompts = _prompts(batch, args.prompt_len, llm.config.vocab_size)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
-    m = [o.metrics for o in outputs]
-    row = _row(llm.mode, batch, [x.ttft_s for x in m], [x.latency_s for x in m],
-               [t for x in m for t in x.inter_token_latencies_s], [x.ttft_s for x in m], args.new_tokens)
-    if llm.model is None:  # tensor-parallel: the kernels run in the ranks' processes, not here
-        row.update(kernels_per_step=None, compile_s=llm.runner.capture_s)
-        return row
-    with engine_step(llm, prompts, max_tokens=64) as step:
-        row["kernels_per_step"] = count_launches(step)["kernels"]
-    row["compile_s"] = None if llm.runner.graphs is None else llm.runner.graphs.capture_s
-    return row
 
 
 def diagnose_step(step: Callable[[], None]) -> dict:
@@ -296,44 +197,43 @@ def _release() -> None:
     torch.cuda.empty_cache()
 
 
-@torch.no_grad()
-def patch_and_compare(model, prompt_len: int) -> dict:
-    """fuselab.patch(model), and how its logits on one prompt compare with the unpatched model's:
-    the largest difference over the largest logit, and how often the two pick the same token."""
-    import fuselab
+def _hf_ids(model, batch: int, prompt_len: int) -> torch.Tensor:
+    return torch.tensor(_prompts(batch, prompt_len, model.config.vocab_size), device=model.device)
 
-    ids = torch.tensor(_prompts(1, prompt_len, model.config.vocab_size), device=model.device)
-    before = model(ids).logits.float()
-    fuselab.patch(model)
-    after = model(ids).logits.float()
-    return {"max_rel_diff": ((after - before).abs().max() / before.abs().max()).item(),
-            "argmax_agreement": (after.argmax(-1) == before.argmax(-1)).float().mean().item()}
+
+def hf_contender(mode: str, model, args: argparse.Namespace, extra: dict | None = None) -> Contender:
+    """A transformers mode: timed plain generates; latencies from a streamed one; the kernels of a
+    generate over its tokens; the doctor on hf's step."""
+    def timer(batch: int) -> Callable[[int], float]:
+        ids = _hf_ids(model, batch, args.prompt_len)
+        return lambda new_tokens: decode_hf.generate_s(model, ids, new_tokens)
+
+    def extras(batch: int, first_s: float) -> dict:
+        ids = _hf_ids(model, batch, args.prompt_len)
+        ttft, itls = decode_hf.streamed_latencies(model, ids, args.new_tokens)
+        kernels = decode_hf.kernels_per_step(model, ids, args.new_tokens, compiled=mode == "hf-compile")
+        # The compiled path's first generate per batch size compiles and records its graphs.
+        return {**_latencies([ttft], itls), **(extra or {}), "kernels_per_step": kernels,
+                "compile_s": first_s if mode == "hf-compile" else None}
+
+    def diagnose() -> dict:
+        return diagnose_step(decode_hf.decode_step(model, _hf_ids(model, min(args.batch_sizes), args.prompt_len)))
+
+    return Contender(mode, mode, timer, extras, diagnose if mode == "hf" else None)
 
 
 def _measure_hf_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict) -> None:
-    model = build_hf(args.preset)
+    model = decode_hf.build_hf(args.preset)
     extra = {}
-    if mode == "hf-patch":
-        extra["logits_vs_hf"] = patch_and_compare(model, args.prompt_len)
+    if mode == "hf-patch":  # the unpatched model serves the logits check only, then goes
+        model, extra["logits_vs_hf"] = decode_hf.patched_copy(model, _hf_ids(model, 1, args.prompt_len))
     if mode == "hf-compile":
-        # transformers' own fast path: with a static cache, generate compiles the decoding forward
-        # itself (its CompileConfig, reduce-overhead). Compiling model.forward on top of that nests
-        # two CUDA-graph trees, whose outputs overwrite each other.
-        from transformers import CompileConfig
-
-        model.generation_config.cache_implementation = "static"
-        model.generation_config.compile_config = CompileConfig(mode="reduce-overhead")
-    for batch in args.batch_sizes:
-        rows.append({**measure_hf(mode, model, batch, args), **extra})
-        print(f"{mode} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    if mode == "hf" and not args.quick:
-        batch = min(args.batch_sizes)
-        ids = torch.tensor(_prompts(batch, args.prompt_len, model.config.vocab_size), device="cuda")
-        doctor[mode] = diagnose_step(_hf_decode_step(model, ids))
+        decode_hf.use_compile_path(model)
+    measure_contenders([hf_contender(mode, model, args, extra)], args, rows, doctor)
 
 
-def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict,
-                         quantization: str | None = None) -> None:
+def _engine(mode: str, args: argparse.Namespace, quantization: str | None = None):
+    """(an engine in `mode` sized for every batch size and the doctor's stream, its row's columns)."""
     from fuselab.engine.quantize import weight_bytes
 
     doctor_batch = min(args.batch_sizes)
@@ -341,19 +241,100 @@ def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], 
     seq_blocks = -(-(args.prompt_len + args.new_tokens + 1) // BLOCK_SIZE) + 1
     held = BLOCK_SIZE * max(max(args.batch_sizes) * seq_blocks, doctor_batch * -(-max_len // BLOCK_SIZE))
     llm = build_llm(args.preset, mode, max(args.batch_sizes), max_len, held, quantization, args.tensor_parallel_size)
-    label = mode if quantization is None else f"{mode} {quantization}"
     extra = {"quantization": quantization or "bf16",
              "weights_gb": None if llm.model is None else weight_bytes(llm.model) / 1e9}
     if quantization is not None:
         extra["step_weight_bytes"] = decode_quant.step_bytes(llm.model, model_bytes(args.preset)[0])
-    for batch in args.batch_sizes:
-        rows.append({**measure_fuselab(llm, batch, args), **extra})
-        print(f"{label} batch {batch}: {rows[-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    # A quantized fused mode's doctor would stream DOCTOR_TOKENS host-bound steps to say what bf16's said.
-    if not args.quick and llm.model is not None and (quantization is None or mode == "graphs"):
-        prompts = _prompts(doctor_batch, args.prompt_len, llm.config.vocab_size)
+    return llm, extra
+
+
+def engine_contender(mode: str, llm, extra: dict, args: argparse.Namespace,
+                     quantization: str | None = None) -> Contender:
+    """An engine mode: timed generates; latencies from its requests' metrics in another one; the
+    kernels of one decode step; the doctor on one step of a long stream."""
+    from fuselab.engine import SamplingParams
+
+    def params(new_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    def timer(batch: int) -> Callable[[int], float]:
+        prompts = _prompts(batch, args.prompt_len, llm.config.vocab_size)
+
+        def generate_s(new_tokens: int) -> float:
+            start = time.perf_counter()
+            llm.generate(prompts, params(new_tokens))  # returns the tokens on the host: nothing left running
+            return time.perf_counter() - start
+
+        return generate_s
+
+    def extras(batch: int, first_s: float) -> dict:
+        prompts = _prompts(batch, args.prompt_len, llm.config.vocab_size)
+        metrics = [o.metrics for o in llm.generate(prompts, params(args.new_tokens))]
+        row = {**_latencies([m.ttft_s for m in metrics], [t for m in metrics for t in m.inter_token_latencies_s]),
+               **extra}
+        if llm.model is None:  # tensor-parallel: the kernels run in the ranks' processes, not here
+            return {**row, "kernels_per_step": None, "compile_s": llm.runner.capture_s}
+        with engine_step(llm, prompts, max_tokens=64) as step:
+            row["kernels_per_step"] = count_launches(step)["kernels"]
+        row["compile_s"] = None if llm.runner.graphs is None else llm.runner.graphs.capture_s
+        return row
+
+    def diagnose() -> dict:
+        prompts = _prompts(min(args.batch_sizes), args.prompt_len, llm.config.vocab_size)
         with engine_step(llm, prompts, max_tokens=DOCTOR_TOKENS) as step:
-            doctor[label] = diagnose_step(step)
+            return diagnose_step(step)
+
+    label = mode if quantization is None else f"{mode} {quantization}"
+    # A quantized fused mode's doctor would stream DOCTOR_TOKENS host-bound steps to say what bf16's said.
+    doctored = llm.model is not None and (quantization is None or mode == "graphs")
+    return Contender(label, mode, timer, extras, diagnose if doctored else None)
+
+
+def _measure_engine_mode(mode: str, args: argparse.Namespace, rows: list[dict], doctor: dict,
+                         quantization: str | None = None) -> None:
+    llm, extra = _engine(mode, args, quantization)
+    measure_contenders([engine_contender(mode, llm, extra, args, quantization)], args, rows, doctor)
+
+
+def interleaved_modes(modes: list[str], tensor_parallel_size: int) -> list[str]:
+    """The modes measured in turns, in one process: transformers eager with and without the patch,
+    and the engine's fused mode on this GPU; none when fewer than two of them run (fused comes
+    last in MODES, so a group of two or more starts with a transformers mode)."""
+    together = [m for m in modes if m in INTERLEAVED and (m != "fused" or tensor_parallel_size == 1)]
+    return together if len(together) > 1 else []
+
+
+def _measure_interleaved(modes: list[str], args: argparse.Namespace, rows: list[dict], doctor: dict,
+                         failed: dict[str, str]) -> None:
+    """hf, a patched deep copy of its model (hf-patch) and the fused engine, all built first, then
+    measured in turns (measure_contenders)."""
+    contenders = []
+    hf_modes = [m for m in modes if m in ("hf", "hf-patch")]
+    model = attempt(hf_modes[0], failed, lambda: decode_hf.build_hf(args.preset))
+    if model is None:
+        failed.update({m: failed[hf_modes[0]] for m in hf_modes})
+    else:
+        if "hf" in modes:
+            contenders.append(hf_contender("hf", model, args))
+        if "hf-patch" in modes:
+            patched = attempt("hf-patch", failed,
+                               lambda: decode_hf.patched_copy(model, _hf_ids(model, 1, args.prompt_len)))
+            if patched is not None:
+                contenders.append(hf_contender("hf-patch", patched[0], args, {"logits_vs_hf": patched[1]}))
+        del model  # without hf, the unpatched model served the logits check only
+    if "fused" in modes:
+        engine = attempt("fused", failed, lambda: _engine("fused", args))
+        if engine is not None:
+            contenders.append(engine_contender("fused", *engine, args))
+    measure_contenders(contenders, args, rows, doctor, failed)
+
+
+def _ratios_of_medians(rows: list[dict]) -> None:
+    """vs hf for the rows measured apart from hf: the ratio of the two medians, same run."""
+    hf = {r["batch"]: r["decode_tok_s"] for r in rows if r["mode"] == "hf"}
+    for row in rows:
+        if row["mode"] != "hf" and "vs_hf" not in row and hf.get(row["batch"]) and row["decode_tok_s"]:
+            row["vs_hf"] = row["decode_tok_s"] / hf[row["batch"]]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -362,16 +343,18 @@ def measure(args: argparse.Namespace) -> dict:
     args.new_tokens = new_tokens
     roof = ceilings()
     context = args.prompt_len + new_tokens / 2  # the mean context a decode step reads
+    together = interleaved_modes(modes, args.tensor_parallel_size)
     rows, doctor, failed = [], {}, {}
     for mode in modes:
-        print(f"{mode}: building", flush=True)
-        try:
-            (_measure_hf_mode if mode in HF_MODES else _measure_engine_mode)(mode, args, rows, doctor)
-        except Exception as err:  # noqa: BLE001
-            # One mode's failure (a baseline's compiler, say) costs its own rows, not the run's.
-            failed[mode] = error_text(err, limit=None)
-            traceback.print_exc()
-            print(f"{mode} failed: {failed[mode]}; going on with the other modes", flush=True)
+        if mode in together[1:]:
+            continue
+        if together and mode == together[0]:
+            print(f"{', '.join(together)}: building, to be measured in turns", flush=True)
+            _measure_interleaved(together, args, rows, doctor, failed)
+        else:
+            print(f"{mode}: building", flush=True)
+            measure_mode = _measure_hf_mode if mode in HF_MODES else _measure_engine_mode
+            attempt(mode, failed, partial(measure_mode, mode, args, rows, doctor))
         _release()
     quality = decode_quant.measure(args, modes, rows, doctor, failed, _measure_engine_mode, _release)
     for row in rows:
@@ -379,13 +362,14 @@ def measure(args: argparse.Namespace) -> dict:
         row["roofline_tok_s"] = roofline_tok_s(args.preset, row["batch"], context, ranks * roof.copy_bandwidth_gbs,
                                                row.get("step_weight_bytes"))
         row["bandwidth_pct"] = None if row["decode_tok_s"] is None else 100 * row["decode_tok_s"] / row["roofline_tok_s"]
+    _ratios_of_medians(rows)
     weights, kv_per_token = model_bytes(args.preset)
     return {
         "header": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "device": device_info().to_dict(), "command": command_line()},
         "config": {"preset": args.preset, "dtype": "bfloat16", "prompt_len": args.prompt_len, "new_tokens": new_tokens,
-                   "batch_sizes": args.batch_sizes, "modes": modes, "weight_bytes": weights,
-                   "kv_bytes_per_token": kv_per_token, "mean_context": context,
+                   "batch_sizes": args.batch_sizes, "modes": modes, "rounds": args.rounds, "interleaved": together,
+                   "weight_bytes": weights, "kv_bytes_per_token": kv_per_token, "mean_context": context,
                    "copy_bandwidth_gbs": roof.copy_bandwidth_gbs, "ceilings_source": roof.source,
                    "doctor_batch": min(args.batch_sizes), "quantization": args.quantization,
                    "tensor_parallel_size": args.tensor_parallel_size},
