@@ -216,7 +216,7 @@ def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int =
       Ties go to fewer splits, then wider tiles.
     - BLOCK_W: the longest step of 64, 32, 16 words dividing the row, each split a step at least,
       within MAX_STEP_WORDS of registers and, at NUM_STAGES, SHARED_BUDGET (else 16 words, 2 stages).
-    - num_warps: 8 for tiles of 8192 accumulators or step words, else 4.
+    - num_warps: gemm_num_warps.
     """
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     splits = [s for s in (1, 2, 4, 8) if s <= min(MAX_SPLIT_K, n_words // BLOCK_WORDS)]
@@ -231,8 +231,12 @@ def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int =
             break
     else:
         num_stages = 2
-    num_warps = 8 if block_n * max(block_m, block_w) >= 8192 else 4
-    return block_m, block_n, block_w, split_k, num_warps, num_stages
+    return block_m, block_n, block_w, split_k, gemm_num_warps(block_m, block_n, block_w), num_stages
+
+
+def gemm_num_warps(block_m: int, block_n: int, block_w: int) -> int:
+    """8 warps for tiles of 8192 accumulators or step words (64 registers a thread for each), else 4."""
+    return 8 if block_n * max(block_m, block_w) >= 8192 else 4
 
 
 def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
