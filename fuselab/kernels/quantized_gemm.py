@@ -19,8 +19,9 @@ of its block, so the slice is x gathered in runs of 16: the sum over K does not 
   whichever split ends last: deterministic), applies scales and bias, stores y and sets the counter
   back to zero. SPLIT_K = 1 stores y directly, with no workspace.
 
-`gemm_config` picks the tile: enough programs for about one wave, and x's L2 traffic (every tile of
-W reads its slice of x) kept below the weight's bytes where the tile sizes allow it.
+`gemm_config` picks the tile and the split whose busiest SM reads the fewest bytes: its programs'
+slices of x (which every tile of W reads again, from L2) and of W, the partials a reducing split
+reads, and a fixed cost a wave; so it fills the SMs where that is cheaper than x's traffic.
 """
 
 from __future__ import annotations
