@@ -101,3 +101,22 @@ def test_the_rule_splits_the_narrow_projections_and_not_the_wide_ones():
     assert qg.gemm_config(64, 28672, 512, "int4", 132) == (64, 256, 16, 1, 8, 3)
     assert qg.gemm_config(16, 4096, 1024, "int8", 132)[3] == 4
     assert qg.gemm_config(16, 128256, 1024, "int8", 132)[3] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, group", FORMATS)
+def test_split_k_on_the_gpu_repeats_itself_and_one_split(fmt, group):
+    # 32 tiles of 4 or 8 splits reduce at once on a GPU: a partial read before it was stored, or a
+    # ticket drawn twice, would show as a call differing from the others or from the one-split sum.
+    weight = _weight(fmt, group, 4096, 4096, "cuda")
+    x = _randn((64, 4096), torch.bfloat16, "cuda", 1)
+    one_split = _run(x, weight, None, (64, 128, 32, 1, 8, 3))
+    for split in (2, 4, 8):
+        counters = torch.zeros(32, dtype=torch.int32, device="cuda")
+        first = _run(x, weight, None, (64, 128, 32, split, 8, 3), counters)
+        for _ in range(20):
+            y = torch.empty_like(first)
+            qg.launch_gemm(x, weight, None, y, config=(64, 128, 32, split, 8, 3), counters=counters)
+            assert torch.equal(y, first)
+        assert counters.count_nonzero().item() == 0
+        assert_close(first, one_split, torch.bfloat16)
