@@ -10,6 +10,7 @@ from fuselab.kernels.quant_pack import block_elements, pack_codes
 from fuselab.kernels.reference_quant import dequantize
 
 ql = kernel_module("quantized_linear")
+qg = kernel_module("quantized_gemm")
 FORMATS = [("int4", 128), ("int4", 64), ("int4", 32), ("int8", 0), ("fp8", 0)]
 
 
@@ -36,7 +37,7 @@ def _check(x, weight, bias=None, out=None):
 def _path(monkeypatch):
     """Which launcher quantized_linear takes, as a list filled by the call."""
     taken = []
-    for name in ("_launch_gemv", "_launch_mma"):
+    for name in ("_launch_gemv", "launch_gemm"):
         launch = getattr(ql, name)
         monkeypatch.setattr(ql, name, lambda *a, _n=name, _l=launch, **kw: taken.append(_n) or _l(*a, **kw))
     dequantize_dense = ql.dequantize
@@ -85,17 +86,17 @@ def test_a_gemv_program_walks_several_tiles_and_runs(device, fmt, group):
 def test_several_rows_run_the_tensor_core_kernel(device, monkeypatch, fmt, group, dtype, m):
     taken = _path(monkeypatch)
     _check(_randn((m, 200), dtype, device, m), _weight(fmt, group, 37, 200, device, 4))
-    assert taken == ["_launch_mma"]
+    assert taken == ["launch_gemm"]
 
 
 @pytest.mark.parametrize("fmt, group", FORMATS)
 def test_tensor_core_tiles_over_rows_of_x_and_w(device, fmt, group):
-    # 70 rows of x at 64 a program, 40 rows of W at 64 a program: partial tiles on both sides.
+    # 70 rows of x at 128 a program, 40 rows of W at 64 a program: partial tiles on both sides.
     x = _randn((70, 130), torch.float32, device, 1)
     weight = _weight(fmt, group, 40, 130, device, 2)
     _check(x, weight, _randn((40,), torch.float32, device, 3))
-    assert ql.mma_config(70, 40, weight.data.shape[1], fmt, 132)[:2] == (64, 64)
-    assert ql.mma_config(5, 40, weight.data.shape[1], fmt, 132)[:2] == (16, 16)  # few rows of x: fill the SMs
+    assert qg.gemm_config(70, 40, weight.data.shape[1], fmt, 132, 4)[:2] == (128, 64)
+    assert qg.gemm_config(5, 40, weight.data.shape[1], fmt, 132)[3] > 1  # one tile of W: split-K fills SMs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

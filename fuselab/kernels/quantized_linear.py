@@ -7,13 +7,14 @@ dequantized in registers, never written back. Three paths, by rows of x (M):
 - M <= GEMV_MAX_ROWS: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program walks tiles of a few
   rows of W in runs of 16-byte word loads (its first run requested before it waits for the kernel
   before, and each next run before the current one is used), so every SM streams weights.
-- M <= FUSED_MAX_ROWS: `_mma_kernel`, the dequantized block fed to tl.dot as the left operand
-  (y^T = W · x^T, so a few rows of x fill the MMA's narrow side).
+- M <= FUSED_MAX_ROWS: quantized_gemm's tensor-core kernel, the dequantized weight fed to tl.dot
+  as the left operand (y^T = W · x^T, so a few rows of x fill the MMA's narrow side), split-K
+  where the tiles of W alone would leave SMs idle.
 - larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
 
-Dequantization without int-to-float conversions (a quarter-rate instruction): a code OR-ed into
-the mantissa of 2^23 is the float 2^23 + code, and one FFMA gives q exactly (`_codes`). int4
-group scales multiply sums over their group, not each weight.
+Dequantization without int-to-float conversions (quant_codes: a code OR-ed into the mantissa of
+2^23 is the float 2^23 + code, one FFMA gives q exactly). In the GEMV, int4 group scales multiply
+sums over their group, not each weight.
 Every launch depends on shapes alone (no host sync, output from the caching allocator), so the
 decode step's CUDA graph captures it.
 """
@@ -27,52 +28,16 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
-from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor
+from fuselab.kernels._common.launch import cdiv, sm_count, use_pdl
+from fuselab.kernels._common.validate import check_float_tensor
+from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
 from fuselab.kernels.quant_pack import (
     BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
-
-_FORMAT_IDS = {"int4": 0, "int8": 1, "fp8": 2}
+from fuselab.kernels.quantized_gemm import launch_gemm
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _high_half(w, FORMAT: tl.constexpr):
-    """w's high codes shifted down (logically) to where _codes reads them: one shift a word."""
-    SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
-    return (w.to(tl.uint32, bitcast=True) >> SHIFT).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _codes(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr):
-    """Code j of each word as the fp32 value before scaling: q for int4/int8, the e4m3 value for fp8.
-
-    int4/int8: the code, masked where it lies (a mantissa bit of 2^23 or below) and OR-ed with
-    magic = 2^23, is the float 2^23 + code · 2^pos; one FFMA by 2^-pos, less 2^-pos · (2^23 +
-    zero code · 2^pos), leaves q exactly. One AND-OR and one FFMA a code, no int-to-float
-    conversion (a quarter-rate instruction). `magic` is a kernel argument, not a literal, so that
-    it stays in one register instead of being re-materialized for every AND-OR."""
-    if FORMAT == 2:
-        return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        # Where code j lies: int4 codes 0-4 where they are in w (bits 0-19), 5-7 in hi = w >> 16
-        # (bits 4-15); int8 codes 0-1 in w's low half, 2-3 in hi's high half (hi = w >> 12 for int8,
-        # so that no code sits at bit 0 of hi, which the compiler would extract with a shift and a
-        # bit-field instruction of its own). Plain constexpr arithmetic: a jit helper returning a
-        # tuple of constexprs does not stay constexpr on every Triton release.
-        BITS: tl.constexpr = 4 if FORMAT == 0 else 8
-        LOW: tl.constexpr = 5 if FORMAT == 0 else 2
-        IN_HI: tl.constexpr = j >= LOW
-        SHIFT: tl.constexpr = 16 if FORMAT == 0 else 12
-        POS: tl.constexpr = BITS * j - SHIFT if IN_HI else BITS * j
-        SCALE: tl.constexpr = 1.0 / (1 << POS)
-        OFFSET: tl.constexpr = (8388608.0 + (8.0 if FORMAT == 0 else 128.0) * (1 << POS)) * SCALE
-        src = hi if IN_HI else w
-        v = ((src & (((1 << BITS) - 1) << POS)) | magic).to(tl.float32, bitcast=True)
-        return v * SCALE - OFFSET
 
 
 @triton.jit
@@ -145,74 +110,6 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _operand(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
-    """Code j as a tl.dot operand of DTYPE, exactly (integers up to 255 and e4m3 values fit bf16 and fp16)."""
-    if FORMAT == 2 and DTYPE != tl.float32:
-        return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
-    else:
-        return _codes(w, hi, magic, j, FORMAT).to(DTYPE)
-
-
-@triton.jit
-def _mma_kernel(
-    X, Wq, S, B, Y, M, N, K, n_words, stride_xm, stride_ym, stride_sn, magic,
-    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):
-    # y^T [BLOCK_N, BLOCK_M] = W · x^T: a step's code j of BLOCK_W words is a [BLOCK_N, BLOCK_W]
-    # operand whose columns are BLOCK_W elements of x (one per word, see x_offsets). int4 steps one
-    # block (BLOCK_W = 16) so that each tl.dot lies in one scale group. Rows of W past N and of x
-    # past M are clamped to the last one (their results are not stored), so no load is masked.
-    ELEMS: tl.constexpr = 16 * PER_WORD
-    RUN: tl.constexpr = GROUP // 16
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows = tl.minimum(rows, N - 1)
-    ms = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = ms < M
-    ms = tl.minimum(ms, M - 1)
-    cols = tl.arange(0, BLOCK_W)
-    x_offsets = (cols // 16) * ELEMS + cols % 16
-    w_ptrs = Wq + rows[:, None].to(tl.int64) * n_words + cols[None, :]
-    xt_ptrs = X + ms[None, :].to(tl.int64) * stride_xm + x_offsets[:, None]
-    dtype = X.dtype.element_ty
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for w0 in range(0, n_words, BLOCK_W):
-        w = tl.load(w_ptrs + w0)
-        hi = _high_half(w, FORMAT)
-        k0 = (w0 // 16) * ELEMS
-        for j in tl.static_range(PER_WORD):
-            if EVEN_K:
-                xt = tl.load(xt_ptrs + (k0 + j * 16))
-            else:
-                xt = tl.load(xt_ptrs + (k0 + j * 16), mask=(k0 + j * 16 + x_offsets < K)[:, None], other=0.0)
-            a = _operand(w, hi, magic, j, FORMAT, dtype)
-            if DOT_FP32:
-                a, xt = a.to(tl.float32), xt.to(tl.float32)
-            if FORMAT == 0:
-                if j % RUN == 0:
-                    part = tl.dot(a, xt, input_precision=PRECISION)
-                else:
-                    part = tl.dot(a, xt, part, input_precision=PRECISION)
-                if j % RUN == RUN - 1:
-                    s = tl.load(S + rows * stride_sn + (k0 + j * 16) // GROUP)
-                    acc += part * s.to(tl.float32)[:, None]
-            else:
-                acc = tl.dot(a, xt, acc, input_precision=PRECISION)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if FORMAT != 0:
-        acc *= tl.load(S + rows)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(B + rows).to(tl.float32)[:, None]
-    tl.store(Y + ms[None, :].to(tl.int64) * stride_ym + rows[:, None], acc.to(Y.dtype.element_ty),
-             mask=row_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
 def _dequantize_kernel(
     Wq, S, Out, N, K, n_words, stride_sn, magic,
     FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -251,8 +148,6 @@ FUSED_MAX_ROWS = 256
 GEMV_ROWS = 4
 GEMV_MAX_RUN_BLOCKS = 16
 GEMV_PROGRAMS_PER_SM = 8
-MAGIC = 0x4B000000  # fp32 2^23: OR-ed with a code of up to 23 bits it is the float 2^23 + code
-MMA_NUM_STAGES = 3
 
 
 @functools.lru_cache(maxsize=1024)
@@ -266,22 +161,6 @@ def gemv_config(n_words: int) -> tuple[int, int, int, int]:
     return GEMV_ROWS, block_b, max(1, block_b // 8), GEMV_PROGRAMS_PER_SM
 
 
-@functools.lru_cache(maxsize=1024)
-def mma_config(m: int, n: int, n_words: int, fmt: str, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_W, num_warps): x's rows padded to the MMA's 16 (up to 64 a
-    program); tiles of 64 rows of W, narrowed down to 16 while that leaves SMs without a program,
-    but only for up to 16 rows of x: every program reads all of x once (from L2), which at 64 rows
-    and 16-row tiles would be 16x the bytes of the int4 weight itself. Steps of one block for
-    int4 (a scale group per tl.dot), two for the 8-bit formats where the row allows."""
-    block_m = min(64, max(16, next_power_of_2(m)))
-    m_blocks = cdiv(m, block_m)
-    block_n = 64
-    while block_m == 16 and block_n > 16 and cdiv(n, block_n) * m_blocks < sms:
-        block_n //= 2
-    block_w = 2 * BLOCK_WORDS if fmt != "int4" and n_words % (2 * BLOCK_WORDS) == 0 else BLOCK_WORDS
-    return block_m, block_n, block_w, max(1, block_n // 16)
-
-
 def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
     n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
     block_n, block_b, num_warps, per_sm = config or gemv_config(n_words)
@@ -293,23 +172,6 @@ def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
         EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
-    )
-
-
-def _launch_mma(x2, weight, bias, y2, config=None, num_stages=MMA_NUM_STAGES) -> None:
-    m, n, k, n_words = x2.shape[0], weight.out_features, weight.in_features, weight.data.shape[1]
-    block_m, block_n, block_w, num_warps = config or mma_config(m, n, n_words, weight.fmt, sm_count(x2.device))
-    pdl = use_pdl(x2.device)
-    # Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; exact in fp32 instead.
-    interpreted_bf16 = INTERPRETED and x2.dtype == torch.bfloat16
-    launch(_mma_kernel, (cdiv(n, block_n), cdiv(m, block_m)),
-        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, m, n, k, n_words,
-        x2.stride(0), y2.stride(0), weight.scales.stride(0), MAGIC,
-        FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w,
-        EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl,
-        PRECISION="ieee" if x2.dtype == torch.float32 or interpreted_bf16 else "tf32", DOT_FP32=interpreted_bf16,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
 
@@ -393,7 +255,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if m <= GEMV_MAX_ROWS:
         _launch_gemv(x2, weight, bias, y2)
     elif m <= FUSED_MAX_ROWS:
-        _launch_mma(x2, weight, bias, y2)
+        launch_gemm(x2, weight, bias, y2)
     else:
         torch.matmul(x2, dequantize(weight, x.dtype).t(), out=y2)
         if bias is not None:

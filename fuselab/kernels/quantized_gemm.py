@@ -1,0 +1,281 @@
+"""y = x · Wᵀ (+ b) on the tensor cores for a few rows of x (quantized_linear's path from 2 to
+FUSED_MAX_ROWS rows), the packed weight (quant_pack) dequantized in registers, never written back.
+
+A program owns a tile of y^T: BLOCK_N rows of W (the MMA's M side: 64, 128 or 256) by BLOCK_M rows
+of x (16 to 128; rows of x past M and of W past N are clamped to the last one, their results not
+stored, so no load of W is masked). It walks its share of K BLOCK_W words a step. For each code
+position j, a step is a [BLOCK_N, BLOCK_W] operand of x's dtype and the slice of x^T its columns
+multiply, [BLOCK_W, BLOCK_M], one tl.dot accumulating in fp32. Code j of word i is element 16·j + i
+of its block, so the slice is x gathered in runs of 16: the sum over K does not depend on its order.
+
+- int4: code · scale is dequantized in registers before the dot (one scale per row and group,
+  rounded to x's dtype as `reference_quant.dequantize(w, x.dtype)` rounds it), so a step may span
+  blocks and groups: groups of 32 and 64 change inside a block, between codes j. int8 / fp8: the
+  exact codes are the operand; the per-channel scale multiplies the sums after the loop.
+- split-K: SPLIT_K programs share an output tile, each walking a contiguous run of its steps, so
+  that projections with few tiles of W still give every SM a program. The reduction is in the same
+  kernel: each split stores its fp32 partial tile to a workspace, then takes a ticket from the
+  tile's counter; the split drawing the last one adds the partials in split order (the same sum
+  whichever split ends last: deterministic), applies scales and bias, stores y and sets the counter
+  back to zero. SPLIT_K = 1 stores y directly, with no workspace.
+
+`gemm_config` picks the tile and the split whose busiest SM reads the fewest bytes: its programs'
+slices of x (which every tile of W reads again, from L2) and of W, the partials a reducing split
+reads, and a fixed cost a wave; so it fills the SMs where that is cheaper than x's traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED
+from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
+from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
+
+MAX_BLOCK_M = 128
+MAX_SPLIT_K = 8
+# W words a step holds in registers (BLOCK_N · BLOCK_W), and as many of their shifted copy: 64
+# registers a thread at 8 warps, next to the accumulator and the operand.
+MAX_STEP_WORDS = 8192
+# Shared memory the rule lets a program's pipeline take: H100 / H200 give a program up to 227 KiB;
+# the rest is left to Triton's own scratch (layout conversions, the epilogue).
+SHARED_BUDGET = 200 * 1024
+NUM_STAGES = 3
+# A program's fixed cost (the latency of its first loads, its epilogue) counted as the bytes an SM
+# reads meanwhile, so that a second wave of programs is not free in gemm_config's count.
+PROGRAM_OVERHEAD_BYTES = 64 * 1024
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _operand(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
+    """Code j of an 8-bit format as a tl.dot operand of DTYPE, exactly (integers up to 255 and e4m3
+    values fit bf16 and fp16)."""
+    if FORMAT == 2 and DTYPE != tl.float32:
+        return ((w >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+    else:
+        return _codes(w, hi, magic, j, FORMAT).to(DTYPE)
+
+
+@triton.jit
+def _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The tile's sums [BLOCK_N, BLOCK_M] as y [M, N]: per-channel scale (8-bit formats), bias, x's dtype."""
+    if FORMAT != 0:
+        acc *= tl.load(S + rows)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(B + rows).to(tl.float32)[:, None]
+    tl.store(Y + ms[None, :].to(tl.int64) * stride_ym + rows[:, None], acc.to(Y.dtype.element_ty),
+             mask=row_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _gemm_kernel(
+    X, Wq, S, B, Y, WS, COUNTS, M, N, K, n_words, stride_xm, stride_ym, stride_sn, magic,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    # Grid (x's row tiles, W's row tiles, splits): the programs reading one tile of W run side by
+    # side. A step's words are [BLOCK_N, BLOCKS, 16] (BLOCKS blocks of 16), so that a scale, one per
+    # row and block for a code j, broadcasts along the last axis; the dequantized codes are reshaped
+    # to the [BLOCK_N, BLOCK_W] operand, whose column c multiplies element 16·j + c % 16 of block
+    # c // 16 (x_offsets). GROUPS: int4 scale groups a block (1 for the 8-bit formats).
+    ELEMS: tl.constexpr = 16 * PER_WORD
+    BLOCKS: tl.constexpr = BLOCK_W // 16
+    CODES_PER_GROUP: tl.constexpr = PER_WORD // GROUPS
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows = tl.minimum(rows, N - 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    ms = tl.minimum(ms, M - 1)
+    blocks = tl.arange(0, BLOCKS)
+    words = blocks[:, None] * 16 + tl.arange(0, 16)[None, :]
+    w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + words[None, :, :]
+    cols = tl.arange(0, BLOCK_W)
+    x_offsets = (cols // 16) * ELEMS + cols % 16
+    xt_ptrs = X + ms[None, :].to(tl.int64) * stride_xm + x_offsets[:, None]
+    # This split's steps: a contiguous run; the splits' runs differ by one step at most.
+    n_steps = n_words // BLOCK_W
+    first = split * n_steps // SPLIT_K
+    end = (split + 1) * n_steps // SPLIT_K
+    if FORMAT == 0:
+        # A step's scales [BLOCK_N, BLOCKS, GROUPS] are requested a step before they are used (too
+        # few bytes a thread for the pipeliner to stage them), the first before the wait on the
+        # kernel before: they are weights. Clamped to the row's last step (a split may have none).
+        groups = tl.arange(0, GROUPS)
+        s_ptrs = (S + rows[:, None, None].to(tl.int64) * stride_sn
+                  + (blocks[:, None] * GROUPS + groups[None, :])[None, :, :])
+        s_next = tl.load(s_ptrs + tl.minimum(first, n_steps - 1) * (BLOCKS * GROUPS))
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    dtype = X.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(first, end):
+        w = tl.load(w_ptrs + step * BLOCK_W)
+        hi = _high_half(w, FORMAT)
+        if FORMAT == 0:
+            s_step = s_next.to(tl.float32)
+            s_next = tl.load(s_ptrs + tl.minimum(step + 1, n_steps - 1) * (BLOCKS * GROUPS))
+        k0 = step * (BLOCKS * ELEMS)
+        for j in tl.static_range(PER_WORD):
+            if EVEN_K:
+                xt = tl.load(xt_ptrs + (k0 + j * 16))
+            else:
+                xt = tl.load(xt_ptrs + (k0 + j * 16), mask=(k0 + j * 16 + x_offsets < K)[:, None], other=0.0)
+            if FORMAT == 0:
+                if j % CODES_PER_GROUP == 0:  # code j starts a group: its scale, [BLOCK_N, BLOCKS, 1]
+                    if GROUPS == 1:
+                        scale = s_step
+                    else:
+                        scale = tl.sum(tl.where(groups[None, None, :] == j // CODES_PER_GROUP, s_step, 0.0),
+                                       axis=2, keep_dims=True)
+                # q · s is exact in fp32 (a 4-bit q, a bf16 or fp16 scale): one rounding, to x's dtype.
+                a = (_codes(w, hi, magic, j, FORMAT) * scale).to(dtype)
+            else:
+                a = _operand(w, hi, magic, j, FORMAT, dtype)
+            a = tl.reshape(a, (BLOCK_N, BLOCK_W))
+            if DOT_FP32:
+                a, xt = a.to(tl.float32), xt.to(tl.float32)
+            acc = tl.dot(a, xt, acc, input_precision=PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if SPLIT_K == 1:
+        _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
+    else:
+        # Partials [tiles, SPLIT_K, BLOCK_N, BLOCK_M]; only the rows and columns y keeps are written and read.
+        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        tile = pid_n * tl.num_programs(0) + pid_m
+        ok = row_ok[:, None] & m_ok[None, :]
+        parts = (WS + tile.to(tl.int64) * (SPLIT_K * TILE)
+                 + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
+        tl.store(parts + split * TILE, acc, mask=ok)
+        # One thread takes the ticket (Triton issues a scalar atomic from one thread and broadcasts
+        # its result): the barrier orders every thread's share of the partial before it, and the
+        # atomic's release makes them visible to the split that draws the last ticket (acquire).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(SPLIT_K):
+                if i == split:
+                    total += acc  # this split's own partial, still in registers
+                else:
+                    # .cg: from L2, where the other splits' stores are, never a stale line of this SM's L1.
+                    total += tl.load(parts + i * TILE, mask=ok, other=0.0, cache_modifier=".cg")
+            _store_y(total, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
+            tl.store(COUNTS + tile, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Config rule and launcher
+# --------------------------------------------------------------------------------------------
+
+
+def gemm_shared_bytes(block_m: int, block_n: int, block_w: int, fmt: str, num_stages: int, x_bytes: int = 2) -> int:
+    """Shared memory a program's pipeline takes, estimated: per stage a step's words of W and the
+    x^T slices of its code positions; once, the dequantized operand on its way to the MMA's layout."""
+    step = block_n * block_w * 4 + values_per_word(fmt) * block_w * block_m * x_bytes
+    return num_stages * step + block_n * block_w * x_bytes
+
+
+def _bytes_per_sm(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int, block_m: int, block_n: int,
+                  split_k: int) -> int:
+    """What the busiest SM reads for one product at this tile: its programs (one a wave) times a
+    program's x slice, W slice and (when it reduces) the other splits' partials, plus a fixed cost a wave."""
+    rows = min(m, block_m)
+    programs = cdiv(m, block_m) * cdiv(n, block_n) * split_k
+    x = rows * x_bytes * n_words * values_per_word(fmt) // split_k
+    w = block_n * n_words * 4 // split_k
+    partials = (split_k - 1) * block_n * rows * 4
+    return cdiv(programs, sms) * (x + w + partials + PROGRAM_OVERHEAD_BYTES)
+
+
+@functools.lru_cache(maxsize=1024)
+def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int = 2
+                ) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages) for m rows of x, n of W, n_words a row.
+
+    - BLOCK_M: x's rows padded to a power of two, 16 (the MMA's narrow side) to MAX_BLOCK_M.
+    - BLOCK_N (64, 128, 256) and SPLIT_K (1 to MAX_SPLIT_K, a block of the row each at least): the
+      pair whose busiest SM reads the fewest bytes (`_bytes_per_sm`). Every program reads its slice
+      of x from L2 (narrow tiles of W multiply x's traffic, up to several times the weight's bytes),
+      split-K fills SMs that the tiles of W alone leave idle but its reducing program reads the
+      other splits' partials after the rest are done, and a wave more costs a program's fixed cost.
+      Ties go to fewer splits, then wider tiles.
+    - BLOCK_W: the longest step of 64, 32, 16 words dividing the row, each split a step at least,
+      within MAX_STEP_WORDS of registers and, at NUM_STAGES, SHARED_BUDGET (else 16 words, 2 stages).
+    - num_warps: gemm_num_warps.
+    """
+    block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
+    splits = [s for s in (1, 2, 4, 8) if s <= min(MAX_SPLIT_K, n_words // BLOCK_WORDS)]
+    _, split_k, block_n = min(
+        (_bytes_per_sm(m, n, n_words, fmt, sms, x_bytes, block_m, bn, s), s, -bn) for bn in (64, 128, 256)
+        for s in splits)
+    block_n = -block_n
+    num_stages = NUM_STAGES
+    for block_w in (64, 32, 16):
+        if (n_words % block_w == 0 and n_words // block_w >= split_k and block_n * block_w <= MAX_STEP_WORDS
+                and gemm_shared_bytes(block_m, block_n, block_w, fmt, num_stages, x_bytes) <= SHARED_BUDGET):
+            break
+    else:
+        num_stages = 2
+    return block_m, block_n, block_w, split_k, gemm_num_warps(block_m, block_n, block_w), num_stages
+
+
+def gemm_num_warps(block_m: int, block_n: int, block_w: int) -> int:
+    """8 warps for tiles of 8192 accumulators or step words (64 registers a thread for each), else 4."""
+    return 8 if block_n * max(block_m, block_w) >= 8192 else 4
+
+
+def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
+                config: tuple[int, int, int, int, int, int] | None = None,
+                counters: torch.Tensor | None = None) -> None:
+    """y2 [M, N] = x2 [M, K] · dequantize(weight)ᵀ (+ bias), inputs checked by the caller (quantized_linear).
+
+    config: (BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages), gemm_config's by default.
+    counters: int32, one per output tile (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N)), at zero; the kernel
+    leaves them at zero, so a caller may keep one buffer for its calls on one stream. By default a
+    fresh torch.zeros per call with split-K: a buffer kept by this module would be shared by every
+    stream and graph (two replaying at once would mix their tickets), and inside a CUDA graph the
+    zeroing is one small node before the kernel (it does stand between the kernel before and this
+    one, whose programmatic dependent launch then waits for it)."""
+    m, n, k, n_words = x2.shape[0], weight.out_features, weight.in_features, weight.data.shape[1]
+    fmt = weight.fmt
+    block_m, block_n, block_w, split_k, num_warps, num_stages = config or gemm_config(
+        m, n, n_words, fmt, sm_count(x2.device), x2.element_size())
+    if block_w % BLOCK_WORDS or n_words % block_w:
+        raise ValueError(f"BLOCK_W={block_w} must be a multiple of {BLOCK_WORDS} dividing the row's {n_words} words")
+    grid = (cdiv(m, block_m), cdiv(n, block_n), split_k)
+    if split_k == 1:
+        workspace = counters = y2  # not read: one split stores y itself
+    else:
+        tiles = grid[0] * grid[1]
+        workspace = torch.empty(tiles * split_k * block_n * block_m, device=x2.device, dtype=torch.float32)
+        if counters is None:
+            counters = torch.zeros(tiles, device=x2.device, dtype=torch.int32)
+    pdl = use_pdl(x2.device)
+    # Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; exact in fp32 instead.
+    interpreted_bf16 = INTERPRETED and x2.dtype == torch.bfloat16
+    launch(_gemm_kernel, grid,
+        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, workspace, counters,
+        m, n, k, n_words, x2.stride(0), y2.stride(0), weight.scales.stride(0), MAGIC,
+        FORMAT=_FORMAT_IDS[fmt], PER_WORD=values_per_word(fmt),
+        GROUPS=block_elements(fmt) // weight.group_size if fmt == "int4" else 1, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SPLIT_K=split_k,
+        EVEN_K=k % block_elements(fmt) == 0, USE_PDL=pdl,
+        PRECISION="ieee" if x2.dtype == torch.float32 or interpreted_bf16 else "tf32", DOT_FP32=interpreted_bf16,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+    )
