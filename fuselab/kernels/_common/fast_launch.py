@@ -17,7 +17,15 @@ Keyword arguments (constexprs, num_warps, num_stages, launch_pdl) go in by name 
 current device too (Triton caches compiled kernels per device). Anything else (other argument types, a
 callable grid, a constexpr passed by position, a kernel that needs scratch memory or tensor
 descriptors, a registered launch hook, another Triton version, the interpreter) launches through Triton.
-FUSELAB_STOCK_LAUNCH=1 sends every launch through Triton, for comparison.
+FUSELAB_STOCK_LAUNCH=1 sends every launch through Triton, for comparison; so does `stock_launches()`,
+for a stretch of one process.
+
+How the key is built: per kernel and argument layout (which positions hold a tensor, an int, a float,
+a bool or None, and how many grid dimensions) one small function is generated, once, the first time a
+launch has that layout (`_binder_source`). It checks the layout, computes the key in straight-line code
+(no loop over the arguments, no chain of isinstance tests), looks it up, and calls the bound launcher
+with the arguments as they are and tensors as their pointers; a launch of another layout is handed to
+the next such function of its kernel, or gets one of its own.
 
 Not re-read per bound launch, as Triton's path would: TRITON_DEBUG / knobs.runtime.debug and the
 instrumentation mode (process settings, fixed before the first launch), and the kernels' global
@@ -26,7 +34,9 @@ constants (module constants that fuselab never reassigns).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -59,40 +69,12 @@ class Bound(NamedTuple):
     pdl: bool
     packed_metadata: tuple
     tail: tuple  # placeholders for the parameters after the positional ones: constexprs, which it skips
-    owners: tuple  # (kernel, compiled kernel), kept alive with the entry: its key holds the kernel's id
+    owners: tuple  # (kernel, compiled kernel), kept alive with the entry
 
 
-# (id(kernel), device, argument keys..., keyword items...) -> Bound, or None: that one goes through Triton.
-_bound: dict[tuple, Bound | None] = {}
-
-
-def specialization_key(kernel: Any, device: int, args: tuple, meta: dict) -> tuple[tuple, list] | None:
-    """(key, arguments for the C launcher) of a launch, or None when an argument is of a kind not handled here.
-
-    An int's entry is -1 for 1, else (16 divides it) + 2 x (0: i32, 1: i64, 2: u64); a tensor's is its
-    dtype followed by whether its pointer is 16-byte aligned (only a tensor puts a dtype in the key, so
-    equal keys still mean equal kinds of arguments, position by position)."""
-    key: list = [id(kernel), device]
-    append = key.append
-    call_args: list = []
-    push = call_args.append
-    for a in args:
-        kind = type(a)
-        if kind is int:
-            append(-1 if a == 1 else (not a & 15) + (
-                0 if -2147483648 <= a <= 2147483647 else 2 + 2 * (a > 9223372036854775807)))
-        elif isinstance(a, _Tensor):
-            ptr = a.data_ptr()
-            append(a.dtype)
-            append(not ptr & 15)
-            a = ptr  # an int pointer: the launcher then skips its own data_ptr() call and pointer lookup
-        elif a is None or kind is float or kind is bool:
-            append(kind)
-        else:
-            return None
-        push(a)
-    key.extend(meta.items())
-    return tuple(key), call_args
+# id(kernel) -> the generated binders of its argument layouts seen so far, tried in order. Each binder
+# holds (in `.table`) its keys -> Bound, or None: that specialization goes through Triton.
+_binders: dict[int, tuple[Callable[..., bool], ...]] = {}
 
 
 def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
@@ -115,6 +97,104 @@ def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
                  (None,) * (len(params) - n_args), (kernel, compiled))
 
 
+# An int's key entry: -1 for 1, else (16 divides it) + 2 x (0: i32, 1: i64, 2: u64). Only a tensor puts a
+# dtype in the key, and a binder's keys all come from one argument layout.
+_INT_KEY = ("-1 if {a} == 1 else (not {a} & 15)"
+            " + (0 if -2147483648 <= {a} <= 2147483647 else 2 + 2 * ({a} > 9223372036854775807))")
+# The kinds a binder handles, by type: the test that a later argument is of that kind again.
+_KIND_TESTS = {int: "type({a}) is int", float: "type({a}) is float", bool: "type({a}) is bool",
+               type(None): "{a} is None"}
+
+
+def _layout(args: tuple) -> str | None:
+    """One letter per argument (t: tensor, i: int, f: float, b: bool, n: None), or None when one is of
+    another kind."""
+    letters = []
+    for a in args:
+        kind = type(a)
+        if kind in _KIND_TESTS:
+            letters.append("ifbn"[(int, float, bool, type(None)).index(kind)])
+        elif isinstance(a, _Tensor):
+            letters.append("t")
+        else:
+            return None
+    return "".join(letters)
+
+
+def _binder_source(layout: str, grid_dims: int, n_tail: int) -> str:
+    """The source of `make(kernel, table) -> binder` for one argument layout and grid size.
+
+    The binder, `go(device, grid, args, meta) -> bool`, returns False (having done nothing) when the
+    launch has another layout, else launches: through the bound C launcher when its key is in the table,
+    through Triton (binding what that compiles) when it is not."""
+    names = [f"a{i}" for i in range(len(layout))]
+    tests, pointers, key, passed = [], [], ["device"], []
+    for a, letter in zip(names, layout):
+        if letter == "t":
+            tests.append(f"isinstance({a}, _Tensor)")
+            pointers.append(f"p{a} = {a}.data_ptr()")
+            key += [f"{a}.dtype", f"not p{a} & 15"]
+            passed.append(f"p{a}")
+            continue
+        tests.append(_KIND_TESTS[{"i": int, "f": float, "b": bool, "n": type(None)}[letter]].format(a=a))
+        if letter == "i":
+            key.append(_INT_KEY.format(a=a))
+        passed.append(a)
+    dims = [f"g{d}" for d in range(grid_dims)]
+    grid_xyz = ", ".join(dims + ["1"] * (3 - grid_dims))
+    unpack_args = f"{', '.join(names)}, = args" if names else "if args: return False"
+    lines = [
+        "def make(kernel, table):",
+        "    def go(device, grid, args, meta):",
+        "        try:",
+        f"            {unpack_args}",
+        f"            {', '.join(dims)}, = grid",
+        "        except ValueError:",
+        "            return False",
+    ]
+    if tests:
+        lines.append(f"        if not ({' and '.join(tests)}):")
+        lines.append("            return False")
+    lines += [f"        {line}" for line in pointers]
+    lines += [
+        f"        key = ({', '.join(key)}, *meta.items())",
+        "        bound = table.get(key)",
+        "        if bound is None:",
+        "            _first_launch(kernel, table, key, grid, args, meta)",
+        "            return True",
+        "        run, function, cooperative, pdl, packed_metadata, _, _ = bound",
+        f"        run({grid_xyz}, _raw_stream(device), function, cooperative, pdl, None, None, packed_metadata,"
+        f" None, None, None, {', '.join(passed + ['None'] * n_tail)})",
+        "        return True",
+        "    go.table = table",
+        "    return go",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _first_launch(kernel: Any, table: dict, key: tuple, grid: tuple, args: tuple, meta: dict) -> None:
+    """Through Triton; the first time of a key, what Triton compiled is bound (or the key marked as
+    Triton's: None)."""
+    compiled = kernel[grid](*args, **meta)
+    if key not in table:
+        table[key] = bind(kernel, compiled, len(args))
+
+
+def _new_binder(kernel: Any, grid: tuple, args: tuple) -> Callable[..., bool] | None:
+    """A binder for the layout of `args` (added to the kernel's), or None when it is not one handled here."""
+    params = getattr(kernel, "params", None)
+    layout = _layout(args)
+    if params is None or layout is None or not 1 <= len(grid) <= 3 or len(params) < len(args):
+        return None
+    namespace: dict = {}
+    # Defined in this module's globals, so that the stream and hook functions are looked up here per call.
+    exec(compile(_binder_source(layout, len(grid), len(params) - len(args)), f"<fast_launch {layout}>", "exec"),
+         globals(), namespace)
+    go = namespace["make"](kernel, {})
+    _binders[id(kernel)] = (*_binders.get(id(kernel), ()), go)
+    return go
+
+
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
     """`kernel[grid](*args, **meta)`: runtime arguments by position, constexprs and options by keyword."""
     # A launch hook (a profiler's) wants the launch metadata that only Triton's path builds.
@@ -123,14 +203,23 @@ def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
         kernel[grid](*args, **meta)
         return
     device = _current_device()
-    found = specialization_key(kernel, device, args, meta)
-    bound = None if found is None else _bound.get(found[0], False)
-    if not bound:
-        compiled = kernel[grid](*args, **meta)
-        if bound is False:
-            _bound[found[0]] = bind(kernel, compiled, len(args))
-        return
-    run, function, cooperative, pdl, packed_metadata, tail, _ = bound
-    n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(device), function, cooperative, pdl,
-        None, None, packed_metadata, None, None, None, *found[1], *tail)
+    for go in _binders.get(id(kernel), ()):
+        if go(device, grid, args, meta):
+            return
+    go = _new_binder(kernel, grid, args)
+    if go is None:
+        kernel[grid](*args, **meta)
+    else:
+        go(device, grid, args, meta)
+
+
+@contextlib.contextmanager
+def stock_launches() -> Iterator[None]:
+    """Every launch inside goes through Triton's own launcher, for comparison with the bound one. It
+    switches the whole process (every thread), so it is for measurements and tests, not for serving."""
+    global FAST
+    saved, FAST = FAST, False
+    try:
+        yield
+    finally:
+        FAST = saved
