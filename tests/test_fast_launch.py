@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fuselab.kernels._common import fast_launch
-from fuselab.kernels._common.fast_launch import bind
+from fuselab.kernels._common.fast_launch import bind, specialization
 
 
 def _params(runtime: int, constexprs: int):
@@ -55,22 +55,11 @@ def fast(monkeypatch):
     return SimpleNamespace(hooks=hooks, device=device)
 
 
-def _keys(kernel):
-    """Every key the kernel's launches were bound under, binder by binder."""
-    return [list(go.table) for go in fast_launch._binders.get(id(kernel), ())]
-
-
 def _key(*args, **meta):
-    """The key (less the device) a launch of a kernel taking these arguments is bound under, or None
-    when it goes through Triton unbound."""
-    kernel, _, _, stock = _fake(runtime=len(args), constexprs=0)
-    fast_launch.launch(kernel, (1,), *args, **meta)
-    assert len(stock) == 1
-    keys = _keys(kernel)
-    return None if not keys else keys[0][0][1:]
+    return specialization(0, args, meta)[1:]
 
 
-def test_int_keys_follow_tritons_specialization(fast):
+def test_int_keys_follow_tritons_specialization():
     values = (0, 1, 2, 16, 17, 4096, 2**31 - 1, 2**31, 2**32, 2**31 + 1, -2**31, -2**31 - 1, 2**63 - 1, 2**63,
               2**64 - 1)
     keys = {v: _key(v) for v in values}
@@ -81,6 +70,7 @@ def test_int_keys_follow_tritons_specialization(fast):
     assert keys[2**31] == keys[2**32] != keys[16]  # i64 apart from i32
     assert keys[2**31 + 1] == keys[-2**31 - 1] == keys[2**63 - 1] != keys[17]
     assert keys[2**63] not in (keys[2**32], keys[16]) and keys[2**64 - 1] not in (keys[2**63 - 1], keys[17])  # u64
+    assert _key(True) != _key(1) and _key(1.0) != _key(1) and _key(None) != _key(0)
 
 
 def test_values_of_one_class_share_a_binding_and_other_classes_get_their_own(fast):
@@ -102,7 +92,7 @@ def test_kinds_are_told_apart(fast):
     assert len(fast_launch._binders[id(kernel)]) == 4
 
 
-def test_tensor_keys_hold_dtype_and_pointer_alignment(fast):
+def test_tensor_keys_hold_dtype_and_pointer_alignment():
     buf = torch.zeros(64, dtype=torch.bfloat16)
     aligned, misaligned = buf[:32], buf[1:33]
     assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
@@ -124,18 +114,25 @@ def test_the_c_launcher_gets_pointers_for_tensors_and_the_rest_as_it_is(fast):
     assert calls[-1][13] == weight.data_ptr()
 
 
-def test_keys_hold_kernel_device_and_keywords_by_name(fast):
-    kernel_a, _, _, stock_a = _fake(runtime=0, constexprs=0)
-    kernel_b, _, _, stock_b = _fake(runtime=0, constexprs=0)
-    for kernel in (kernel_a, kernel_b, kernel_a, kernel_b):
-        fast_launch.launch(kernel, (1,))
-    assert len(stock_a) == len(stock_b) == 1  # a binding each
-    fast.device.index = 1
-    fast_launch.launch(kernel_a, (1,))
-    assert len(stock_a) == 2  # another device: Triton compiles for it
+def test_keys_hold_the_device_and_keywords_by_name():
+    assert specialization(0, (), {}) != specialization(1, (), {})
     assert _key(X=True, Y=False) != _key(Y=True, X=False)
     assert _key(BLOCK=64, num_warps=4) != _key(BLOCK=64, num_warps=8)
     assert _key(launch_pdl=True) != _key(launch_pdl=False)
+
+
+def test_kernels_devices_and_keywords_get_their_own_bindings(fast):
+    kernel_a, _, calls_a, stock_a = _fake(runtime=0, constexprs=0)
+    kernel_b, _, calls_b, stock_b = _fake(runtime=0, constexprs=0)
+    for kernel in (kernel_a, kernel_b, kernel_a, kernel_b):
+        fast_launch.launch(kernel, (1,))
+    assert len(stock_a) == len(stock_b) == 1 and len(calls_a) == len(calls_b) == 1  # a binding each
+    fast.device.index = 1
+    fast_launch.launch(kernel_a, (1,))
+    assert len(stock_a) == 2  # another device: Triton compiles for it
+    for num_warps in (4, 8, 4, 8):
+        fast_launch.launch(kernel_a, (1,), num_warps=num_warps)
+    assert len(stock_a) == 4 and len(calls_a) == 3
 
 
 def test_the_launch_follows_the_current_device_and_its_stream(fast):
@@ -168,8 +165,24 @@ def test_grid_sizes_fill_the_three_dimensions(fast):
 
 
 @pytest.mark.parametrize("arg", [(1, 2), [1], "s", SimpleNamespace(data_ptr=lambda: 0), torch.float32])
-def test_other_argument_kinds_get_no_key(fast, arg):
-    assert _key(arg) is None
+def test_other_argument_kinds_keep_tritons_path(fast, arg):
+    kernel, _, calls, stock = _fake(runtime=1, constexprs=0)
+    for _ in range(2):
+        fast_launch.launch(kernel, (1,), arg)
+    assert len(stock) == 2 and not calls and id(kernel) not in fast_launch._binders
+
+
+def test_new_sizes_of_a_bound_class_launch_bound_and_are_remembered(fast, monkeypatch):
+    monkeypatch.setattr(fast_launch, "_EXACT_KEYS", 4)
+    kernel, _, calls, stock = _fake(runtime=2, constexprs=0)
+    x = torch.zeros(8)
+    sizes = [32 * i for i in range(1, 8)]
+    for n in sizes + sizes:
+        fast_launch.launch(kernel, (n,), x, n)
+    assert len(stock) == 1  # one specialization: every size divisible by 16
+    assert [call[0] for call in calls] == sizes[1:] + sizes and [call[14] for call in calls] == sizes[1:] + sizes
+    (go,) = fast_launch._binders[id(kernel)]
+    assert len(go.specializations) == 1 and 0 < len(go.exact) <= 4  # the exact keys start over when full
 
 
 def test_another_kind_in_a_bound_position_is_never_taken_for_the_bound_one(fast):
@@ -273,7 +286,7 @@ needs_fast_path = pytest.mark.skipif(not fast_launch.FAST, reason="fast launches
 
 def _bound_entries():
     """What every specialization seen so far is bound to: a Bound, or None for Triton's path."""
-    return [b for binders in fast_launch._binders.values() for go in binders for b in go.table.values()]
+    return [b for binders in fast_launch._binders.values() for go in binders for b in go.specializations.values()]
 
 
 def _stock_and_fast(monkeypatch, fn):

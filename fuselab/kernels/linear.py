@@ -141,6 +141,17 @@ def _check(x: object, weight: object, bias: object) -> None:
             raise TypeError(f"bias must be {x.dtype} on {x.device} like x, got {bias.dtype} on {bias.device}")
 
 
+def _inputs_ok(x: object, weight: object, bias: object) -> bool:
+    """`_check` would pass: x, weight and any bias of one float dtype on the kernels' device, shapes that fit."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))):
+        return False
+    x_shape, w_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
+    return (dtype in FLOAT_DTYPES and weight.dtype is dtype and on_kernel_device(x) and len(w_shape) == 2
+            and len(x_shape) > 0 and x_shape[-1] == w_shape[1] and weight.device == device
+            and (bias is None or (bias.dtype is dtype and bias.shape == w_shape[:1] and bias.device == device)))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N].
 
@@ -148,19 +159,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     everything else, any input that needs a gradient, and a weight whose rows are not contiguous
     (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
     """
-    # The common case in one pass (x, weight and any bias of one float dtype on the kernels' device, shapes
-    # that fit); anything else takes the checks one by one, which name what is wrong.
-    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and (bias is None or isinstance(bias, torch.Tensor))):
-        _check(x, weight, bias)
-    x_shape, w_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
-    if not (dtype in FLOAT_DTYPES and weight.dtype is dtype and on_kernel_device(x) and len(w_shape) == 2
-            and len(x_shape) > 0 and x_shape[-1] == w_shape[1] and weight.device == device
-            and (bias is None or (bias.dtype is dtype and bias.shape == w_shape[:1] and bias.device == device))):
-        _check(x, weight, bias)
+    if not _inputs_ok(x, weight, bias):
+        _check(x, weight, bias)  # one by one, naming what is wrong
+    x_shape, w_shape = x.shape, weight.shape
     numel = x.numel()
     if (numel == 0 or 0 in w_shape or weight.stride()[1] != 1 or numel != x_shape[-1]
-            or not _few_rows_for_cublas(w_shape[0], device) or needs_autograd(x, weight, bias)):
+            or not _few_rows_for_cublas(w_shape[0], x.device) or needs_autograd(x, weight, bias)):
         return F.linear(x, weight, bias)
     if x.stride()[-1] != 1:
         x = x.contiguous()

@@ -20,12 +20,14 @@ descriptors, a registered launch hook, another Triton version, the interpreter) 
 FUSELAB_STOCK_LAUNCH=1 sends every launch through Triton, for comparison; so does `stock_launches()`,
 for a stretch of one process.
 
-How the key is built: per kernel and argument layout (which positions hold a tensor, an int, a float,
-a bool or None, and how many grid dimensions) one small function is generated, once, the first time a
-launch has that layout (`_binder_source`). It checks the layout, computes the key in straight-line code
-(no loop over the arguments, no chain of isinstance tests), looks it up, and calls the bound launcher
-with the arguments as they are and tensors as their pointers; a launch of another layout is handed to
-the next such function of its kernel, or gets one of its own.
+How a launch finds its launcher: per kernel and argument layout (which positions hold a tensor, an int, a
+float, a bool or None, and how many grid dimensions) one small function is generated, once, the first time
+a launch has that layout (`_binder_source`). It checks the layout, builds an exact key in straight-line
+code (no loop over the arguments, no chain of isinstance tests: tensors as dtype and alignment, ints as
+they are), looks it up, and calls the bound launcher with the arguments as they are and tensors as their
+pointers. An exact key not seen before is reduced to the key above (`specialization`), which finds the
+bound launcher of an int of the same class, or goes through Triton. A launch of another layout is handed
+to the next such function of its kernel, or gets one of its own.
 
 Not re-read per bound launch, as Triton's path would: TRITON_DEBUG / knobs.runtime.debug and the
 instrumentation mode (process settings, fixed before the first launch), and the kernels' global
@@ -72,9 +74,11 @@ class Bound(NamedTuple):
     owners: tuple  # (kernel, compiled kernel), kept alive with the entry
 
 
-# id(kernel) -> the generated binders of its argument layouts seen so far, tried in order. Each binder
-# holds (in `.table`) its keys -> Bound, or None: that specialization goes through Triton.
+# id(kernel) -> the generated binders of its argument layouts seen so far, tried in order (see _binder_source).
 _binders: dict[int, tuple[Callable[..., bool], ...]] = {}
+
+# How many exact keys a binder keeps before it starts over (a workload of ever new sizes would grow them).
+_EXACT_KEYS = 1024
 
 
 def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
@@ -97,10 +101,27 @@ def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
                  (None,) * (len(params) - n_args), (kernel, compiled))
 
 
-# An int's key entry: -1 for 1, else (16 divides it) + 2 x (0: i32, 1: i64, 2: u64). Only a tensor puts a
-# dtype in the key, and a binder's keys all come from one argument layout.
-_INT_KEY = ("-1 if {a} == 1 else (not {a} & 15)"
-            " + (0 if -2147483648 <= {a} <= 2147483647 else 2 + 2 * ({a} > 9223372036854775807))")
+def specialization(device: int, args: tuple, meta: dict) -> tuple:
+    """The key of what Triton compiles a launch for: the device, then per argument a tensor's dtype and
+    whether its pointer is 16-byte aligned, an int's class (-1 for 1, else (16 divides it) + 2 x (0: i32,
+    1: i64, 2: u64)) or another argument's type, then the keywords (only a tensor puts a dtype in the key,
+    so equal keys mean equal kinds of arguments, position by position)."""
+    key: list = [device]
+    append = key.append
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            append(-1 if a == 1 else (not a & 15) + (
+                0 if -2147483648 <= a <= 2147483647 else 2 + 2 * (a > 9223372036854775807)))
+        elif isinstance(a, _Tensor):
+            append(a.dtype)
+            append(not a.data_ptr() & 15)
+        else:
+            append(kind)
+    key.extend(meta.items())
+    return tuple(key)
+
+
 # The kinds a binder handles, by type: the test that a later argument is of that kind again.
 _KIND_TESTS = {int: "type({a}) is int", float: "type({a}) is float", bool: "type({a}) is bool",
                type(None): "{a} is None"}
@@ -122,11 +143,13 @@ def _layout(args: tuple) -> str | None:
 
 
 def _binder_source(layout: str, grid_dims: int, n_tail: int) -> str:
-    """The source of `make(kernel, table) -> binder` for one argument layout and grid size.
+    """The source of `make(kernel, exact, specializations) -> binder` for one argument layout and grid size.
 
-    The binder, `go(device, grid, args, meta) -> bool`, returns False (having done nothing) when the
-    launch has another layout, else launches: through the bound C launcher when its key is in the table,
-    through Triton (binding what that compiles) when it is not."""
+    The binder, `go(device, grid, args, meta) -> bool`, returns False (having done nothing) when the launch
+    has another layout, else launches. Its exact key holds the device, each tensor's dtype and pointer
+    alignment, each int as it is and the keywords: a finer key than `specialization`'s, which is computed
+    (in `_first_launch`) only for an exact key not seen yet, so that a launch of sizes seen before pays no
+    per-int classification. `exact` maps exact keys to the Bound of their specialization."""
     names = [f"a{i}" for i in range(len(layout))]
     tests, pointers, key, passed = [], [], ["device"], []
     for a, letter in zip(names, layout):
@@ -138,13 +161,13 @@ def _binder_source(layout: str, grid_dims: int, n_tail: int) -> str:
             continue
         tests.append(_KIND_TESTS[{"i": int, "f": float, "b": bool, "n": type(None)}[letter]].format(a=a))
         if letter == "i":
-            key.append(_INT_KEY.format(a=a))
+            key.append(a)
         passed.append(a)
     dims = [f"g{d}" for d in range(grid_dims)]
     grid_xyz = ", ".join(dims + ["1"] * (3 - grid_dims))
     unpack_args = f"{', '.join(names)}, = args" if names else "if args: return False"
     lines = [
-        "def make(kernel, table):",
+        "def make(kernel, exact, specializations):",
         "    def go(device, grid, args, meta):",
         "        try:",
         f"            {unpack_args}",
@@ -158,26 +181,42 @@ def _binder_source(layout: str, grid_dims: int, n_tail: int) -> str:
     lines += [f"        {line}" for line in pointers]
     lines += [
         f"        key = ({', '.join(key)}, *meta.items())",
-        "        bound = table.get(key)",
+        "        bound = exact.get(key)",
         "        if bound is None:",
-        "            _first_launch(kernel, table, key, grid, args, meta)",
+        "            _first_launch(kernel, exact, specializations, key, grid, args, meta)",
         "            return True",
         "        run, function, cooperative, pdl, packed_metadata, _, _ = bound",
         f"        run({grid_xyz}, _raw_stream(device), function, cooperative, pdl, None, None, packed_metadata,"
         f" None, None, None, {', '.join(passed + ['None'] * n_tail)})",
         "        return True",
-        "    go.table = table",
+        "    go.exact, go.specializations = exact, specializations",
         "    return go",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _first_launch(kernel: Any, table: dict, key: tuple, grid: tuple, args: tuple, meta: dict) -> None:
-    """Through Triton; the first time of a key, what Triton compiled is bound (or the key marked as
-    Triton's: None)."""
-    compiled = kernel[grid](*args, **meta)
-    if key not in table:
-        table[key] = bind(kernel, compiled, len(args))
+def _first_launch(kernel: Any, exact: dict, specializations: dict, key: tuple, grid: tuple, args: tuple,
+                  meta: dict) -> None:
+    """A launch whose exact key is not known: through Triton the first time of its specialization (binding
+    what Triton compiled, or None where it cannot be bound), else as that specialization launches."""
+    device = key[0]
+    found = specialization(device, args, meta)
+    if found not in specializations:
+        compiled = kernel[grid](*args, **meta)
+        bound = specializations[found] = bind(kernel, compiled, len(args))
+    else:
+        bound = specializations[found]
+        if bound is None:
+            kernel[grid](*args, **meta)
+        else:
+            grid_xyz = (*grid, 1, 1)[:3]
+            pointers = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
+            bound.launch(*grid_xyz, _raw_stream(device), bound.function, bound.cooperative, bound.pdl, None, None,
+                         bound.packed_metadata, None, None, None, *pointers, *bound.tail)
+    if bound is not None:
+        if len(exact) >= _EXACT_KEYS:
+            exact.clear()
+        exact[key] = bound
 
 
 def _new_binder(kernel: Any, grid: tuple, args: tuple) -> Callable[..., bool] | None:
@@ -190,7 +229,7 @@ def _new_binder(kernel: Any, grid: tuple, args: tuple) -> Callable[..., bool] | 
     # Defined in this module's globals, so that the stream and hook functions are looked up here per call.
     exec(compile(_binder_source(layout, len(grid), len(params) - len(args)), f"<fast_launch {layout}>", "exec"),
          globals(), namespace)
-    go = namespace["make"](kernel, {})
+    go = namespace["make"](kernel, {}, {})
     _binders[id(kernel)] = (*_binders.get(id(kernel), ()), go)
     return go
 
