@@ -12,50 +12,7 @@ import pytest
 import torch
 
 from fuselab.kernels._common import fast_launch
-from fuselab.kernels._common.fast_launch import bind, specialization_key
-
-
-def _key(*args, **meta):
-    found = specialization_key("kernel", 0, args, meta)
-    return None if found is None else found[0][2:]
-
-
-def test_int_keys_follow_tritons_specialization():
-    values = (0, 1, 2, 16, 17, 4096, 2**31 - 1, 2**31, 2**32, 2**31 + 1, -2**31, -2**31 - 1, 2**63 - 1, 2**63,
-              2**64 - 1)
-    keys = {v: _key(v) for v in values}
-    assert keys[1] != keys[17] and keys[1] != keys[2]  # 1 is a constant to Triton
-    assert keys[16] == keys[4096] == keys[0] and keys[16] != keys[17]  # divisibility by 16
-    assert keys[17] == keys[2] and keys[2**31 - 1] == keys[17]
-    assert keys[-2**31] == keys[16]  # still i32
-    assert keys[2**31] == keys[2**32] != keys[16]  # i64 apart from i32
-    assert keys[2**31 + 1] == keys[-2**31 - 1] == keys[2**63 - 1] != keys[17]
-    assert keys[2**63] not in (keys[2**32], keys[16]) and keys[2**64 - 1] not in (keys[2**63 - 1], keys[17])  # u64
-    assert _key(True) != _key(1) and _key(1.0) != _key(1) and _key(None) != _key(0)
-
-
-def test_tensor_keys_hold_dtype_and_pointer_alignment():
-    buf = torch.zeros(64, dtype=torch.bfloat16)
-    aligned, misaligned = buf[:32], buf[1:33]
-    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
-    assert _key(aligned) != _key(misaligned)
-    assert _key(aligned) == _key(buf[8:40])  # 16 bytes further: aligned as well
-    assert _key(aligned) != _key(aligned.float())
-    key, call_args = specialization_key("kernel", 0, (aligned, 7, 0.5, None), {})
-    assert call_args == [aligned.data_ptr(), 7, 0.5, None]
-
-
-def test_keys_hold_kernel_device_and_keywords_by_name():
-    assert specialization_key("a", 0, (), {})[0] != specialization_key("b", 0, (), {})[0]
-    assert specialization_key("a", 0, (), {})[0] != specialization_key("a", 1, (), {})[0]
-    assert _key(X=True, Y=False) != _key(Y=True, X=False)
-    assert _key(BLOCK=64, num_warps=4) != _key(BLOCK=64, num_warps=8)
-    assert _key(launch_pdl=True) != _key(launch_pdl=False)
-
-
-@pytest.mark.parametrize("arg", [(1, 2), [1], "s", SimpleNamespace(data_ptr=lambda: 0)])
-def test_other_argument_kinds_get_no_key(arg):
-    assert _key(arg) is None
+from fuselab.kernels._common.fast_launch import bind, specialization
 
 
 def _params(runtime: int, constexprs: int):
@@ -63,6 +20,7 @@ def _params(runtime: int, constexprs: int):
 
 
 def _fake(runtime=3, constexprs=2, scratch=0, name="launch", hooks=()):
+    """(kernel, its compiled kernel, the C launcher's calls, the launches through Triton)."""
     calls = []
 
     def launch(*args):
@@ -84,6 +42,161 @@ def _fake(runtime=3, constexprs=2, scratch=0, name="launch", hooks=()):
     return Kernel(), compiled, calls, stock
 
 
+@pytest.fixture
+def fast(monkeypatch):
+    """The fast path switched on over fake device, stream and launch hooks."""
+    hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
+    device = SimpleNamespace(index=0)
+    monkeypatch.setattr(fast_launch, "FAST", True)
+    monkeypatch.setattr(fast_launch, "_binders", {})
+    monkeypatch.setattr(fast_launch, "_runtime_knobs", hooks, raising=False)
+    monkeypatch.setattr(fast_launch, "_current_device", lambda: device.index, raising=False)
+    monkeypatch.setattr(fast_launch, "_raw_stream", lambda index: 99 + index, raising=False)
+    return SimpleNamespace(hooks=hooks, device=device)
+
+
+def _key(*args, **meta):
+    return specialization(0, args, meta)[1:]
+
+
+def test_int_keys_follow_tritons_specialization():
+    values = (0, 1, 2, 16, 17, 4096, 2**31 - 1, 2**31, 2**32, 2**31 + 1, -2**31, -2**31 - 1, 2**63 - 1, 2**63,
+              2**64 - 1)
+    keys = {v: _key(v) for v in values}
+    assert keys[1] != keys[17] and keys[1] != keys[2]  # 1 is a constant to Triton
+    assert keys[16] == keys[4096] == keys[0] and keys[16] != keys[17]  # divisibility by 16
+    assert keys[17] == keys[2] and keys[2**31 - 1] == keys[17]
+    assert keys[-2**31] == keys[16]  # still i32
+    assert keys[2**31] == keys[2**32] != keys[16]  # i64 apart from i32
+    assert keys[2**31 + 1] == keys[-2**31 - 1] == keys[2**63 - 1] != keys[17]
+    assert keys[2**63] not in (keys[2**32], keys[16]) and keys[2**64 - 1] not in (keys[2**63 - 1], keys[17])  # u64
+    assert _key(True) != _key(1) and _key(1.0) != _key(1) and _key(None) != _key(0)
+
+
+def test_values_of_one_class_share_a_binding_and_other_classes_get_their_own(fast):
+    kernel, _, calls, stock = _fake(runtime=1, constexprs=0)
+    for v in (16, 4096, 0, 17, 2, 1, 1, 2**31, 2**32, 3):
+        fast_launch.launch(kernel, (1,), v)
+    # Through Triton: 16 (then 4096 and 0 bound), 17 (then 2), 1 (then 1), 2**31 (then 2**32), 3 bound.
+    assert [args for _, args, _ in stock] == [(16,), (17,), (1,), (2**31,)]
+    assert [call[13:] for call in calls] == [(4096,), (0,), (2,), (1,), (2**32,), (3,)]
+
+
+def test_kinds_are_told_apart(fast):
+    kernel, _, calls, stock = _fake(runtime=1, constexprs=0)
+    for v in (1, True, 1.0, None, 1, True, 1.0, None):
+        fast_launch.launch(kernel, (1,), v)
+    assert [args for _, args, _ in stock] == [(1,), (True,), (1.0,), (None,)]  # each kind its own first launch
+    assert [call[13] for call in calls] == [1, True, 1.0, None]
+    assert [type(call[13]) for call in calls] == [int, bool, float, type(None)]
+    assert len(fast_launch._binders[id(kernel)]) == 4
+
+
+def test_tensor_keys_hold_dtype_and_pointer_alignment():
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, misaligned = buf[:32], buf[1:33]
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
+    assert _key(aligned) != _key(misaligned)
+    assert _key(aligned) == _key(buf[8:40])  # 16 bytes further: aligned as well
+    assert _key(aligned) != _key(aligned.float())
+
+
+def test_the_c_launcher_gets_pointers_for_tensors_and_the_rest_as_it_is(fast):
+    kernel, _, calls, _ = _fake(runtime=4, constexprs=2)
+    x = torch.zeros(8)
+    for _ in range(2):
+        fast_launch.launch(kernel, (3, 2), x, 7, 0.5, None, BLOCK=4)
+    assert calls == [(3, 2, 1, 99, 1234, False, True, None, None, (4, 1, 0), None, None, None,
+                      x.data_ptr(), 7, 0.5, None, None, None)]
+    weight = torch.nn.Parameter(torch.zeros(8))  # a tensor subclass is a tensor
+    fast_launch.launch(kernel, (3, 2), weight, 7, 0.5, None, BLOCK=4)
+    fast_launch.launch(kernel, (3, 2), weight, 7, 0.5, None, BLOCK=4)
+    assert calls[-1][13] == weight.data_ptr()
+
+
+def test_keys_hold_the_device_and_keywords_by_name():
+    assert specialization(0, (), {}) != specialization(1, (), {})
+    assert _key(X=True, Y=False) != _key(Y=True, X=False)
+    assert _key(BLOCK=64, num_warps=4) != _key(BLOCK=64, num_warps=8)
+    assert _key(launch_pdl=True) != _key(launch_pdl=False)
+
+
+def test_kernels_devices_and_keywords_get_their_own_bindings(fast):
+    kernel_a, _, calls_a, stock_a = _fake(runtime=0, constexprs=0)
+    kernel_b, _, calls_b, stock_b = _fake(runtime=0, constexprs=0)
+    for kernel in (kernel_a, kernel_b, kernel_a, kernel_b):
+        fast_launch.launch(kernel, (1,))
+    assert len(stock_a) == len(stock_b) == 1 and len(calls_a) == len(calls_b) == 1  # a binding each
+    fast.device.index = 1
+    fast_launch.launch(kernel_a, (1,))
+    assert len(stock_a) == 2  # another device: Triton compiles for it
+    for num_warps in (4, 8, 4, 8):
+        fast_launch.launch(kernel_a, (1,), num_warps=num_warps)
+    assert len(stock_a) == 4 and len(calls_a) == 3
+
+
+def test_the_launch_follows_the_current_device_and_its_stream(fast):
+    kernel, _, calls, _ = _fake(runtime=1, constexprs=0)
+    for index in (0, 0, 1, 1):
+        fast.device.index = index
+        fast_launch.launch(kernel, (1,), 5)
+    assert [call[3] for call in calls] == [99, 100]
+
+
+def test_each_argument_layout_gets_its_binder_and_keeps_it(fast):
+    kernel, _, calls, stock = _fake(runtime=2, constexprs=1)
+    x = torch.zeros(8)
+    layouts = [(x, None), (x, x), (x, 3), (None, 3)]
+    for _ in range(3):
+        for args in layouts:
+            fast_launch.launch(kernel, (2,), *args, BLOCK=8)
+    assert [args for _, args, _ in stock] == layouts  # once each, through Triton
+    assert len(calls) == 2 * len(layouts) and len(fast_launch._binders[id(kernel)]) == len(layouts)
+    assert [call[13:15] for call in calls[:4]] == [(x.data_ptr(), None), (x.data_ptr(), x.data_ptr()),
+                                                   (x.data_ptr(), 3), (None, 3)]
+
+
+def test_grid_sizes_fill_the_three_dimensions(fast):
+    kernel, _, calls, _ = _fake(runtime=0, constexprs=0)
+    for grid in ((5,), (5, 6), (5, 6, 7)):
+        for _ in range(2):
+            fast_launch.launch(kernel, grid)
+    assert [call[:3] for call in calls] == [(5, 1, 1), (5, 6, 1), (5, 6, 7)]
+
+
+@pytest.mark.parametrize("arg", [(1, 2), [1], "s", SimpleNamespace(data_ptr=lambda: 0), torch.float32])
+def test_other_argument_kinds_keep_tritons_path(fast, arg):
+    kernel, _, calls, stock = _fake(runtime=1, constexprs=0)
+    for _ in range(2):
+        fast_launch.launch(kernel, (1,), arg)
+    assert len(stock) == 2 and not calls and id(kernel) not in fast_launch._binders
+
+
+def test_new_sizes_of_a_bound_class_launch_bound_and_are_remembered(fast, monkeypatch):
+    monkeypatch.setattr(fast_launch, "_EXACT_KEYS", 4)
+    kernel, _, calls, stock = _fake(runtime=2, constexprs=0)
+    x = torch.zeros(8)
+    sizes = [32 * i for i in range(1, 8)]
+    for n in sizes + sizes:
+        fast_launch.launch(kernel, (n,), x, n)
+    assert len(stock) == 1  # one specialization: every size divisible by 16
+    assert [call[0] for call in calls] == sizes[1:] + sizes and [call[14] for call in calls] == sizes[1:] + sizes
+    (go,) = fast_launch._binders[id(kernel)]
+    assert len(go.specializations) == 1 and 0 < len(go.exact) <= 4  # the exact keys start over when full
+
+
+def test_another_kind_in_a_bound_position_is_never_taken_for_the_bound_one(fast):
+    kernel, _, calls, stock = _fake(runtime=1, constexprs=0)
+    x = torch.zeros(4)
+    fast_launch.launch(kernel, (1,), 16)
+    fast_launch.launch(kernel, (1,), 16)
+    odd = (torch.tensor(16), 16.0, True, None, (16,), x, "16")
+    for a in odd:
+        fast_launch.launch(kernel, (1,), a)
+    assert len(calls) == 1  # only the second 16
+    assert len(stock) == 1 + len(odd) and all(args[0] is a for (_, args, _), a in zip(stock[1:], odd))
+
+
 def test_bind_takes_only_what_it_can_launch_as_triton_would():
     kernel, compiled, _, _ = _fake()
     bound = bind(kernel, compiled, 3)
@@ -94,18 +207,6 @@ def test_bind_takes_only_what_it_can_launch_as_triton_would():
     assert bind(*_fake(name="inner")[:2], 3) is None  # tensor descriptors converted in Python
     assert bind(*_fake(hooks=[print])[:2], 3) is None
     assert bind(kernel, None, 3) is None  # Triton returned no compiled kernel
-
-
-@pytest.fixture
-def fast(monkeypatch):
-    """The fast path switched on over fake device, stream and launch hooks."""
-    hooks = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
-    monkeypatch.setattr(fast_launch, "FAST", True)
-    monkeypatch.setattr(fast_launch, "_bound", {})
-    monkeypatch.setattr(fast_launch, "_runtime_knobs", hooks, raising=False)
-    monkeypatch.setattr(fast_launch, "_current_device", lambda: 0, raising=False)
-    monkeypatch.setattr(fast_launch, "_raw_stream", lambda device: 99, raising=False)
-    return hooks
 
 
 def test_a_launch_goes_through_triton_once_then_straight_to_the_c_launcher(fast):
@@ -121,19 +222,54 @@ def test_a_launch_goes_through_triton_once_then_straight_to_the_c_launcher(fast)
     assert len(stock) == 3 and len(calls) == 2
 
 
+def test_a_kernel_that_cannot_be_bound_keeps_tritons_path(fast):
+    kernel, _, calls, stock = _fake(scratch=256)
+    x = torch.zeros(8)
+    for _ in range(3):
+        fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    assert len(stock) == 3 and not calls
+    kernel, _, calls, stock = _fake(runtime=3, constexprs=2)
+    for _ in range(3):
+        fast_launch.launch(kernel, (1,), x, 16, 0.5, 4)  # a constexpr by position
+    assert len(stock) == 3 and not calls
+
+
 def test_hooks_and_unknown_arguments_keep_tritons_path(fast):
     kernel, _, calls, stock = _fake()
     x = torch.zeros(8)
     fast_launch.launch(kernel, (1,), x, 16, 0.5)
-    fast.launch_enter_hook.calls.append(print)  # a profiler's hook: Triton builds its launch metadata
+    fast.hooks.launch_enter_hook.calls.append(print)  # a profiler's hook: Triton builds its launch metadata
     fast_launch.launch(kernel, (1,), x, 16, 0.5)
-    fast.launch_enter_hook.calls.clear()
+    fast.hooks.launch_enter_hook.calls.clear()
     fast_launch.launch(kernel, lambda meta: (1,), x, 16, 0.5)  # a grid function
     for _ in range(2):
         fast_launch.launch(kernel, (1,), x, (16,), 0.5)
     assert len(stock) == 5 and not calls
     fast_launch.launch(kernel, (1,), x, 16, 0.5)
     assert len(calls) == 1
+
+
+def test_stock_launches_go_through_triton_for_a_while(fast):
+    kernel, _, calls, stock = _fake()
+    x = torch.zeros(8)
+    fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    with fast_launch.stock_launches():
+        fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    fast_launch.launch(kernel, (1,), x, 16, 0.5)
+    assert len(stock) == 2 and len(calls) == 1 and fast_launch.FAST
+
+
+def test_an_error_of_the_c_launcher_reaches_the_caller(fast):
+    kernel, compiled, _, stock = _fake(runtime=1, constexprs=0)
+
+    def launch(*args):
+        raise RuntimeError("Triton Error [CUDA]: invalid argument")
+
+    compiled.run.launch = launch
+    fast_launch.launch(kernel, (1,), 5)
+    with pytest.raises(RuntimeError, match="invalid argument"):
+        fast_launch.launch(kernel, (1,), 5)
+    assert len(stock) == 1
 
 
 def test_interpreter_keeps_tritons_launcher():
@@ -148,13 +284,18 @@ def test_interpreter_keeps_tritons_launcher():
 needs_fast_path = pytest.mark.skipif(not fast_launch.FAST, reason="fast launches need Triton 3.6 on a GPU")
 
 
+def _bound_entries():
+    """What every specialization seen so far is bound to: a Bound, or None for Triton's path."""
+    return [b for binders in fast_launch._binders.values() for go in binders for b in go.specializations.values()]
+
+
 def _stock_and_fast(monkeypatch, fn):
     """fn() through Triton's launcher, then twice through the bound one (the first call binds)."""
     monkeypatch.setattr(fast_launch, "FAST", False)
     expected = fn()
     monkeypatch.setattr(fast_launch, "FAST", True)
     fn()
-    bound_before = sum(b is not None for b in fast_launch._bound.values())
+    bound_before = sum(b is not None for b in _bound_entries())
     got = fn()
     torch.cuda.synchronize()
     assert bound_before > 0, "nothing was bound: every launch went through Triton"
@@ -287,4 +428,4 @@ def test_bound_launches_are_captured_and_replayed_by_a_cuda_graph(monkeypatch):
         for name in ops:
             _assert_same(expected[name], outs[name])
         if pdl and torch.cuda.get_device_capability()[0] >= 9:
-            assert any(b is not None and b.pdl for b in fast_launch._bound.values())
+            assert any(b is not None and b.pdl for b in _bound_entries())

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, use_pdl
-from fuselab.kernels._common.validate import check_float_tensor
+from fuselab.kernels._common.validate import check_float_tensor, float_tensor_ok
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -99,7 +99,7 @@ MAX_MERGE_BLOCK = 1024
 def argmax_launch(x: torch.Tensor) -> torch.Tensor:
     """The kernels on a [rows, cols] tensor with cols >= 1 and a unit column stride."""
     rows, n_cols = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    out = x.new_empty(rows, dtype=torch.int64)
     if rows == 0:
         return out
     chunk = CHUNK
@@ -108,14 +108,14 @@ def argmax_launch(x: torch.Tensor) -> torch.Tensor:
     if n_chunks == 1:
         # The chunk's index is the row's answer: written straight into the output, no merge.
         launch(_argmax_chunk_kernel, (rows, 1),
-            x, out, out, x.stride(0), n_cols, 1, BLOCK=chunk, STORE_VALUE=False, USE_PDL=pdl,
+            x, out, out, x.stride()[0], n_cols, 1, BLOCK=chunk, STORE_VALUE=False, USE_PDL=pdl,
             num_warps=CHUNK_WARPS, launch_pdl=pdl,
         )
         return out
-    values = torch.empty(rows, n_chunks, dtype=torch.float32, device=x.device)
-    indices = torch.empty(rows, n_chunks, dtype=torch.int64, device=x.device)
+    values = x.new_empty(rows, n_chunks, dtype=torch.float32)
+    indices = x.new_empty(rows, n_chunks, dtype=torch.int64)
     launch(_argmax_chunk_kernel, (rows, n_chunks),
-        x, values, indices, x.stride(0), n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, USE_PDL=pdl,
+        x, values, indices, x.stride()[0], n_cols, n_chunks, BLOCK=chunk, STORE_VALUE=True, USE_PDL=pdl,
         num_warps=CHUNK_WARPS, launch_pdl=pdl,
     )
     merge_block = min(next_power_of_2(n_chunks), MAX_MERGE_BLOCK)
@@ -137,11 +137,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     tensor is read in place); a column stride other than 1 is copied once. No host sync and no
     allocation that depends on the values, so the call can be captured in a CUDA graph.
     """
-    check_float_tensor("x", x)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
-    if x.shape[1] == 0:
+    shape = x.shape if float_tensor_ok(x) else None
+    if shape is None or len(shape) != 2 or shape[1] == 0:
+        check_float_tensor("x", x)  # the checks one by one, which name what is wrong
+        if x.dim() != 2:
+            raise ValueError(f"x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
         raise ValueError(f"x must have at least one column to take the argmax of, got shape {tuple(x.shape)}")
-    if x.stride(1) != 1 and x.shape[0] > 0:
+    if x.stride()[1] != 1 and shape[0] > 0:
         x = x.contiguous()
     return argmax_launch(x)

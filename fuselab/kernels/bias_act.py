@@ -16,7 +16,15 @@ from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, sm_count
 from fuselab.kernels._common.partials import new_partials, sum_partials
-from fuselab.kernels._common.validate import INTERPRETED, check_at_least_1d, check_float_tensor, check_row_vector, contiguous, needs_autograd
+from fuselab.kernels._common.validate import (
+    INTERPRETED,
+    check_at_least_1d,
+    check_float_tensor,
+    check_row_vector,
+    contiguous,
+    needs_autograd,
+    rows_and_vector_ok,
+)
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -100,10 +108,11 @@ def _band_rows(n_rows: int, col_blocks: int, sms: int) -> int:
 
 def bias_act_forward(x: torch.Tensor, bias: torch.Tensor, activation: str) -> torch.Tensor:
     y = torch.empty_like(x)
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         return y
     n_cols = x.shape[-1]
-    grid, block = _forward_grid(x.numel() // n_cols, n_cols, sm_count(x.device))
+    grid, block = _forward_grid(numel // n_cols, n_cols, sm_count(x.device))
     launch(_bias_act_forward_kernel, grid, x, bias, y, n_cols, ACTIVATION=activation, BLOCK=block,
            num_warps=_NUM_WARPS)
     return y
@@ -159,9 +168,10 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor, activation: str = "gelu") -> t
 
     `activation`: "gelu" (exact), "gelu_tanh", "silu" or "relu".
     """
-    check_float_tensor("x", x)
-    check_at_least_1d("x", x)
-    check_row_vector("bias", bias, "x", x)
+    if not rows_and_vector_ok(x, bias):
+        check_float_tensor("x", x)  # the checks one by one, which name what is wrong
+        check_at_least_1d("x", x)
+        check_row_vector("bias", bias, "x", x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     x, bias = contiguous(x), contiguous(bias)

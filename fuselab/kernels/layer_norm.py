@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_grad
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.residual import load_input_row
 from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
@@ -23,7 +24,9 @@ from fuselab.kernels._common.validate import (
     check_like,
     check_row_vector,
     contiguous,
+    like_ok,
     needs_autograd,
+    rows_and_vector_ok,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -226,7 +229,7 @@ def layer_norm_forward(
     # elements a block, 64 a thread (docs/tuning/layer_norm-constants.md).
     num_warps = config.num_warps if config.block < 8192 else config.block // 2048
     # Unused pointer slots get `x`: the branch that would read them is compiled out.
-    kernel[(n_rows,)](
+    launch(kernel, (n_rows,),
         x, x if residual is None else residual, weight, x if bias is None else bias, y, x if h is None else h,
         y if mean is None else mean, y if rstd is None else rstd, n_cols, eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=activation, STORE_STATS=save_stats,
@@ -268,7 +271,7 @@ def layer_norm_backward(
         loaded = dy.element_size() + x.element_size() + (0 if dh is None else dh.element_size())
         loaded += bias.element_size() if bias is not None and activation != "none" else 0
         kernel, staging = _layer_norm_backward_kernel, {"STAGES": row_loop_stages(config.block, loaded, x.device)}
-    kernel[(n_programs,)](
+    launch(kernel, (n_programs,),
         dy, x, weight, x if bias is None else bias, mean, rstd, dy if dh is None else dh, dx, partials[0], partials[-1],
         n_rows, n_cols, rows_per_program,
         HAS_BIAS=bias is not None, HAS_DH=dh is not None, ACTIVATION=activation,
@@ -323,18 +326,23 @@ def layer_norm(
 
     With `residual` (same shape and dtype as x), normalizes h = x + residual and returns `(y, h)`.
     """
-    check_float_tensor("x", x)
-    check_at_least_1d("x", x)
-    check_row_vector("weight", weight, "x", x)
-    if bias is not None:
-        check_row_vector("bias", bias, "x", x)
-    check_eps(eps)
+    # The common case in one pass; anything else takes the checks one by one, which name what is wrong.
+    checked = (type(eps) is float and eps >= 0 and rows_and_vector_ok(x, weight)
+               and (bias is None or rows_and_vector_ok(x, bias)) and (residual is None or like_ok(residual, x)))
+    if not checked:
+        check_float_tensor("x", x)
+        check_at_least_1d("x", x)
+        check_row_vector("weight", weight, "x", x)
+        if bias is not None:
+            check_row_vector("bias", bias, "x", x)
+        check_eps(eps)
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     x, weight = contiguous(x), contiguous(weight)
     bias = None if bias is None else contiguous(bias)
     if residual is not None:
-        check_like("residual", residual, "x", x)
+        if not checked:
+            check_like("residual", residual, "x", x)
         residual = contiguous(residual)
     activation = activation or "none"
     if needs_autograd(x, weight, bias, residual):

@@ -17,7 +17,14 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, contiguous, needs_autograd
+from fuselab.kernels._common.validate import (
+    FLOAT_DTYPES,
+    INTERPRETED,
+    check_float_tensor,
+    contiguous,
+    needs_autograd,
+    on_kernel_device,
+)
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -72,11 +79,13 @@ ROWS_PER_SM_FOR_CUBLAS = 64
 
 def gemv_wins(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One row, and too few output features for cuBLAS to fill the GPU."""
-    if x.numel() != x.shape[-1]:
-        return False
-    if INTERPRETED or weight.device.type != "cuda":
+    return x.numel() == x.shape[-1] and _few_rows_for_cublas(weight.shape[0], weight.device)
+
+
+def _few_rows_for_cublas(n: int, device: torch.device) -> bool:
+    if INTERPRETED or device.type != "cuda":
         return True
-    return weight.shape[0] < ROWS_PER_SM_FOR_CUBLAS * sm_count(weight.device)
+    return n < ROWS_PER_SM_FOR_CUBLAS * sm_count(device)
 
 
 def gemv_blocks(k: int) -> tuple[int, int]:
@@ -93,11 +102,12 @@ def gemv_blocks(k: int) -> tuple[int, int]:
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride."""
     n, k = weight.shape
-    y = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    x_shape = x.shape
+    y = x.new_empty(*x_shape[:-1], n)  # x's dtype and device
     block_n, block_k = gemv_blocks(k)
     pdl = use_pdl(x.device)
     launch(_gemv_kernel, (cdiv(n, block_n),),
-        x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
+        x, weight, weight if bias is None else bias, y, n, k, weight.stride()[0],
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
         num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl,
     )
@@ -131,6 +141,17 @@ def _check(x: object, weight: object, bias: object) -> None:
             raise TypeError(f"bias must be {x.dtype} on {x.device} like x, got {bias.dtype} on {bias.device}")
 
 
+def _inputs_ok(x: object, weight: object, bias: object) -> bool:
+    """`_check` would pass: x, weight and any bias of one float dtype on the kernels' device, shapes that fit."""
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))):
+        return False
+    x_shape, w_shape, dtype, device = x.shape, weight.shape, x.dtype, x.device
+    return (dtype in FLOAT_DTYPES and weight.dtype is dtype and on_kernel_device(x) and len(w_shape) == 2
+            and len(x_shape) > 0 and x_shape[-1] == w_shape[1] and weight.device == device
+            and (bias is None or (bias.dtype is dtype and bias.shape == w_shape[:1] and bias.device == device)))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N].
 
@@ -138,10 +159,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     everything else, any input that needs a gradient, and a weight whose rows are not contiguous
     (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
     """
-    _check(x, weight, bias)
-    if (x.numel() == 0 or 0 in weight.shape or weight.stride(1) != 1 or not gemv_wins(x, weight)
-            or needs_autograd(x, weight, bias)):
+    if not _inputs_ok(x, weight, bias):
+        _check(x, weight, bias)  # one by one, naming what is wrong
+    x_shape, w_shape = x.shape, weight.shape
+    numel = x.numel()
+    if (numel == 0 or 0 in w_shape or weight.stride()[1] != 1 or numel != x_shape[-1]
+            or not _few_rows_for_cublas(w_shape[0], x.device) or needs_autograd(x, weight, bias)):
         return F.linear(x, weight, bias)
-    if x.stride(-1) != 1:
+    if x.stride()[-1] != 1:
         x = x.contiguous()
     return gemv_launch(x, weight, None if bias is None else contiguous(bias))

@@ -23,7 +23,9 @@ from fuselab.kernels._common.validate import (
     check_like,
     check_row_vector,
     contiguous,
+    like_ok,
     needs_autograd,
+    rows_and_vector_ok,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +166,7 @@ def rms_norm_forward(
     y = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if save_rstd else None
-    if y.numel() == 0:
+    if n_rows == 0:  # no elements
         return y, h, rstd
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
@@ -239,14 +241,18 @@ def rms_norm(
     With `residual` (same shape and dtype as x), returns `(rms_norm(x + residual) * weight, x + residual)`
     from one kernel: the pre-norm transformer's "add, then normalize" with the sum kept for the next add.
     """
-    check_float_tensor("x", x)
-    check_at_least_1d("x", x)
-    check_row_vector("weight", weight, "x", x)
-    check_eps(eps)
+    # The common case in one pass; anything else takes the checks one by one, which name what is wrong.
+    if not (type(eps) is float and eps >= 0 and rows_and_vector_ok(x, weight)
+            and (residual is None or like_ok(residual, x))):
+        check_float_tensor("x", x)
+        check_at_least_1d("x", x)
+        check_row_vector("weight", weight, "x", x)
+        check_eps(eps)
+        if residual is not None:
+            check_like("residual", residual, "x", x)
     x = contiguous(x)
     weight = contiguous(weight)
     if residual is not None:
-        check_like("residual", residual, "x", x)
         residual = contiguous(residual)
     if needs_autograd(x, weight, residual):
         return RMSNormFunction.apply(x, weight, residual, eps)

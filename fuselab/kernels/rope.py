@@ -28,8 +28,8 @@ import triton.language as tl
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
-from fuselab.kernels._common.validate import check_float_tensor, needs_autograd
-from fuselab.kernels.attention.paged_attention import check_store_inputs
+from fuselab.kernels._common.validate import FLOAT_DTYPES, check_float_tensor, needs_autograd, on_kernel_device
+from fuselab.kernels.attention.paged_attention import check_store_inputs, store_inputs_ok
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
@@ -174,14 +174,13 @@ def _rope_kernel(
 def _token_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a [B, S, H, D] or [T, H, D] tensor."""
     stride = t.stride()
-    return stride[:3] if len(stride) == 4 else (0, *stride[:2])
+    return stride[:3] if len(stride) == 4 else (0, stride[0], stride[1])
 
 
 def _positions_strides(positions: torch.Tensor) -> tuple[int, int]:
     """(batch, sequence) strides; positions [S] for a [B, S, ...] input are shared by every batch."""
-    if positions.dim() == 2:
-        return positions.stride(0), positions.stride(1)
-    return 0, positions.stride(0)
+    stride = positions.stride()
+    return stride if len(stride) == 2 else (0, stride[0])
 
 
 def _head_block(n_heads: int, block_half: int, tile_elements: int) -> int:
@@ -218,38 +217,64 @@ def _rope_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, inter
 def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, store=None):
     """Rotate q and k into new tensors. `store` = (v, k_cache, v_cache, slot_mapping) also writes
     the rotated k and v into the caches (3-D inputs only)."""
-    head_dim = q.shape[-1]
-    rotary_dim = cos_sin.shape[1]
-    seq_len = q.shape[1] if q.dim() == 4 else q.shape[0]
-    n_tokens = q.shape[0] * seq_len if q.dim() == 4 else seq_len
+    q_shape, k_shape, cos_sin_shape = q.shape, k.shape, cos_sin.shape
+    head_dim = q_shape[-1]
+    four_d = len(q_shape) == 4
+    seq_len = q_shape[1] if four_d else q_shape[0]
+    n_tokens = q_shape[0] * seq_len if four_d else seq_len
     # empty_like keeps a dense input's strides (a transposed [B, H, S, D] view stays one).
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if n_tokens == 0:
         return q_out, k_out
     many_tokens = n_tokens >= _MANY_TOKENS
+    pdl = use_pdl(q.device)
     if store is None:
         store_args = _NO_STORE
-        meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, None, None, many_tokens)
+        meta = _rope_meta(head_dim, cos_sin_shape[1], q_shape[-2], k_shape[-2], interleaved, inverse, None, None,
+                          many_tokens)
     else:
         v, k_cache, v_cache, slot_mapping = store
+        v_stride, cache_shape = v.stride(), k_cache.shape
         store_args = (
-            v, *v.stride()[:2], slot_mapping, slot_mapping.stride(0), k_cache.shape[0] * k_cache.shape[1],
+            v, v_stride[0], v_stride[1], slot_mapping, slot_mapping.stride()[0], cache_shape[0] * cache_shape[1],
             k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
         )
-        meta = _rope_meta(head_dim, rotary_dim, q.shape[-2], k.shape[-2], interleaved, inverse, v.shape[1],
-                          k_cache.shape[1], many_tokens)
-    pdl = use_pdl(q.device)
+        meta = _rope_meta(head_dim, cos_sin_shape[1], q_shape[-2], k_shape[-2], interleaved, inverse, v.shape[1],
+                          cache_shape[1], many_tokens)
     launch(_rope_kernel, (n_tokens,),
         q, *_token_strides(q),
         k, *_token_strides(k),
         q_out, *_token_strides(q_out),
         k_out, *_token_strides(k_out),
         positions, *_positions_strides(positions),
-        cos_sin, cos_sin.stride(0), cos_sin.shape[0],
-        seq_len, q.shape[-2], k.shape[-2],
+        cos_sin, cos_sin.stride()[0], cos_sin_shape[0],
+        seq_len, q_shape[-2], k_shape[-2],
         *store_args, **meta, USE_PDL=pdl, launch_pdl=pdl,
     )
     return q_out, k_out
+
+
+# Integer position dtypes the one-pass check takes; any other integer dtype goes through the full checks.
+_POSITION_DTYPES = (torch.int64, torch.int32)
+
+
+def _inputs_ok(q: object, k: object, positions: object, cos_sin: object, layout: object) -> bool:
+    """`_check_inputs` would pass: its checks in one pass over the attributes, each read once."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(positions, torch.Tensor)
+            and isinstance(cos_sin, torch.Tensor)):
+        return False
+    q_shape, k_shape, positions_shape, cos_sin_shape = q.shape, k.shape, positions.shape, cos_sin.shape
+    dims = len(q_shape)
+    device = q.device
+    leading = q_shape[:-2]
+    return (layout in LAYOUTS and q.dtype in FLOAT_DTYPES and k.dtype in FLOAT_DTYPES
+            and cos_sin.dtype in FLOAT_DTYPES and on_kernel_device(q) and (dims == 3 or dims == 4)
+            and len(k_shape) == dims and k_shape[:-2] == leading and k_shape[-1] == q_shape[-1]
+            and q.stride()[-1] == 1 and k.stride()[-1] == 1 and positions.dtype in _POSITION_DTYPES
+            and (positions_shape == leading or (dims == 4 and positions_shape == leading[1:]))
+            and len(cos_sin_shape) == 2 and cos_sin_shape[1] % 2 == 0 and 0 < cos_sin_shape[1] <= q_shape[-1]
+            and cos_sin.stride()[1] == 1
+            and k.device == device and positions.device == device and cos_sin.device == device)
 
 
 def _check_inputs(q, k, positions, cos_sin, layout) -> None:
@@ -280,6 +305,19 @@ def _check_inputs(q, k, positions, cos_sin, layout) -> None:
     for name, t in (("k", k), ("positions", positions), ("cos_sin", cos_sin)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def _check_store_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout) -> None:
+    """rope_and_store_kv's checks, one by one."""
+    _check_inputs(q, k, positions, cos_sin, layout)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim] to store into the cache, got shape {tuple(q.shape)}")
+    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    for name, t, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
+        if cache.dtype != t.dtype:
+            raise TypeError(f"{cache_name} has dtype {cache.dtype} but {name} has dtype {t.dtype}")
+    if v.stride(-1) != 1:
+        raise ValueError("v must have a contiguous last (head_dim) dimension; other strides may be anything")
 
 
 class RopeFunction(torch.autograd.Function):
@@ -317,7 +355,8 @@ def apply_rope(
     check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
     on the host first, a sync, and raises ValueError naming the first such position.
     """
-    _check_inputs(q, k, positions, cos_sin, layout)
+    if not _inputs_ok(q, k, positions, cos_sin, layout):
+        _check_inputs(q, k, positions, cos_sin, layout)  # the checks one by one, which name what is wrong
     if indices.requested(check_indices, q.device):
         indices.check_positions(positions, cos_sin.shape[0])
     interleaved = layout == "interleaved"
@@ -351,15 +390,10 @@ def rope_and_store_kv(
     Inference only: it writes the cache and records no gradients, so it refuses inputs that
     require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
     """
-    _check_inputs(q, k, positions, cos_sin, layout)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [tokens, heads, head_dim] to store into the cache, got shape {tuple(q.shape)}")
-    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
-    for name, t, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
-        if cache.dtype != t.dtype:
-            raise TypeError(f"{cache_name} has dtype {cache.dtype} but {name} has dtype {t.dtype}")
-    if v.stride(-1) != 1:
-        raise ValueError("v must have a contiguous last (head_dim) dimension; other strides may be anything")
+    if not (_inputs_ok(q, k, positions, cos_sin, layout) and q.dim() == 3
+            and store_inputs_ok(k, v, k_cache, v_cache, slot_mapping) and k_cache.dtype is k.dtype
+            and v_cache.dtype is v.dtype and v.stride()[-1] == 1):
+        _check_store_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout)
     if needs_autograd(q, k, v):
         raise RuntimeError(
             "rope_and_store_kv is not differentiable (it is for inference): q, k or v requires grad; "

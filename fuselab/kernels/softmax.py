@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config
 from fuselab.kernels._common.validate import check_at_least_1d, check_float_tensor, contiguous, needs_autograd
 
@@ -95,7 +96,7 @@ def softmax_forward(x: torch.Tensor) -> torch.Tensor:
     n_cols = x.shape[-1]
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _softmax_forward_looped_kernel if config.looped else _softmax_forward_kernel
-    kernel[(x.numel() // n_cols,)](x, y, n_cols, BLOCK=config.block, num_warps=config.num_warps)
+    launch(kernel, (x.numel() // n_cols,), x, y, n_cols, BLOCK=config.block, num_warps=config.num_warps)
     return y
 
 
@@ -106,7 +107,7 @@ def softmax_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     n_cols = y.shape[-1]
     config = row_config(n_cols, MAX_FUSED_BLOCK)
     kernel = _softmax_backward_looped_kernel if config.looped else _softmax_backward_kernel
-    kernel[(y.numel() // n_cols,)](dy, y, dx, n_cols, BLOCK=config.block, num_warps=config.num_warps)
+    launch(kernel, (y.numel() // n_cols,), dy, y, dx, n_cols, BLOCK=config.block, num_warps=config.num_warps)
     return dx
 
 

@@ -14,7 +14,15 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
-from fuselab.kernels._common.validate import check_at_least_1d, check_float_tensor, check_like, contiguous, needs_autograd
+from fuselab.kernels._common.validate import (
+    check_at_least_1d,
+    check_float_tensor,
+    check_like,
+    contiguous,
+    float_tensor_ok,
+    like_ok,
+    needs_autograd,
+)
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -100,15 +108,16 @@ def swiglu_forward(
 ) -> torch.Tensor:
     """silu(gate) · up into `out`. Rows of gate and up are `in_row_stride` elements apart; up's
     elements start `up_offset` after `up`'s data pointer, which lets one tensor hold [gate | up]."""
-    if out.numel() == 0:
+    n = out.numel()
+    if n == 0:
         return out
     n_cols = out.shape[-1]
     pdl = use_pdl(out.device)
-    if _flat(out.numel(), in_row_stride, n_cols, up_offset):
-        launch(_swiglu_flat_forward_kernel, (cdiv(out.numel(), _FLAT_BLOCK),),
-            gate, up, out, out.numel(), BLOCK=_FLAT_BLOCK, USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
+    if _flat(n, in_row_stride, n_cols, up_offset):
+        launch(_swiglu_flat_forward_kernel, (cdiv(n, _FLAT_BLOCK),),
+            gate, up, out, n, BLOCK=_FLAT_BLOCK, USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
         return out
-    grid, block = row_block_grid(out.numel() // n_cols, n_cols, _MAX_BLOCK)
+    grid, block = row_block_grid(n // n_cols, n_cols, _MAX_BLOCK)
     launch(_swiglu_forward_kernel, grid, gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
            num_warps=_NUM_WARPS, launch_pdl=pdl)
     return out
@@ -138,10 +147,12 @@ def swiglu_backward(
 
 
 def silu_and_mul_forward(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    out = x.new_empty(*x.shape[:-1], half)
+    shape = x.shape
+    width = shape[-1]
+    half = width // 2
+    out = x.new_empty(*shape[:-1], half)
     # The kernel reads the up half in place: same rows, `half` elements further along.
-    return swiglu_forward(x, x, out, x.shape[-1], up_offset=half)
+    return swiglu_forward(x, x, out, width, up_offset=half)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,9 +196,10 @@ class SiluAndMulFunction(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up, elementwise, computed in fp32 and returned in the inputs' dtype."""
-    check_float_tensor("gate", gate)
-    check_at_least_1d("gate", gate)
-    check_like("up", up, "gate", gate)
+    if not (float_tensor_ok(gate) and like_ok(up, gate) and gate.dim() > 0):
+        check_float_tensor("gate", gate)  # the checks one by one, which name what is wrong
+        check_at_least_1d("gate", gate)
+        check_like("up", up, "gate", gate)
     gate, up = contiguous(gate), contiguous(up)
     if needs_autograd(gate, up):
         return SwiGLUFunction.apply(gate, up)
@@ -196,10 +208,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """For x = [gate | up] along the last dim (2H wide), returns silu(gate) · up (H wide)."""
-    check_float_tensor("x", x)
-    check_at_least_1d("x", x)
-    if x.shape[-1] % 2:
-        raise ValueError(f"x's last dim holds [gate | up] and must be even, got {x.shape[-1]}")
+    if not (float_tensor_ok(x) and x.dim() > 0 and x.shape[-1] % 2 == 0):
+        check_float_tensor("x", x)  # the checks one by one, which name what is wrong
+        check_at_least_1d("x", x)
+        if x.shape[-1] % 2:
+            raise ValueError(f"x's last dim holds [gate | up] and must be even, got {x.shape[-1]}")
     x = contiguous(x)
     if needs_autograd(x):
         return SiluAndMulFunction.apply(x)

@@ -17,7 +17,17 @@ Keyword arguments (constexprs, num_warps, num_stages, launch_pdl) go in by name 
 current device too (Triton caches compiled kernels per device). Anything else (other argument types, a
 callable grid, a constexpr passed by position, a kernel that needs scratch memory or tensor
 descriptors, a registered launch hook, another Triton version, the interpreter) launches through Triton.
-FUSELAB_STOCK_LAUNCH=1 sends every launch through Triton, for comparison.
+FUSELAB_STOCK_LAUNCH=1 sends every launch through Triton, for comparison; so does `stock_launches()`,
+for a stretch of one process.
+
+How a launch finds its launcher: per kernel and argument layout (which positions hold a tensor, an int, a
+float, a bool or None, and how many grid dimensions) one small function is generated, once, the first time
+a launch has that layout (`_binder_source`). It checks the layout, builds an exact key in straight-line
+code (no loop over the arguments, no chain of isinstance tests: tensors as dtype and alignment, ints as
+they are), looks it up, and calls the bound launcher with the arguments as they are and tensors as their
+pointers. An exact key not seen before is reduced to the key above (`specialization`), which finds the
+bound launcher of an int of the same class, or goes through Triton. A launch of another layout is handed
+to the next such function of its kernel, or gets one of its own.
 
 Not re-read per bound launch, as Triton's path would: TRITON_DEBUG / knobs.runtime.debug and the
 instrumentation mode (process settings, fixed before the first launch), and the kernels' global
@@ -26,7 +36,9 @@ constants (module constants that fuselab never reassigns).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -59,40 +71,14 @@ class Bound(NamedTuple):
     pdl: bool
     packed_metadata: tuple
     tail: tuple  # placeholders for the parameters after the positional ones: constexprs, which it skips
-    owners: tuple  # (kernel, compiled kernel), kept alive with the entry: its key holds the kernel's id
+    owners: tuple  # (kernel, compiled kernel), kept alive with the entry
 
 
-# (id(kernel), device, argument keys..., keyword items...) -> Bound, or None: that one goes through Triton.
-_bound: dict[tuple, Bound | None] = {}
+# id(kernel) -> the generated binders of its argument layouts seen so far, tried in order (see _binder_source).
+_binders: dict[int, tuple[Callable[..., bool], ...]] = {}
 
-
-def specialization_key(kernel: Any, device: int, args: tuple, meta: dict) -> tuple[tuple, list] | None:
-    """(key, arguments for the C launcher) of a launch, or None when an argument is of a kind not handled here.
-
-    An int's entry is -1 for 1, else (16 divides it) + 2 x (0: i32, 1: i64, 2: u64); a tensor's is its
-    dtype followed by whether its pointer is 16-byte aligned (only a tensor puts a dtype in the key, so
-    equal keys still mean equal kinds of arguments, position by position)."""
-    key: list = [id(kernel), device]
-    append = key.append
-    call_args: list = []
-    push = call_args.append
-    for a in args:
-        kind = type(a)
-        if kind is int:
-            append(-1 if a == 1 else (not a & 15) + (
-                0 if -2147483648 <= a <= 2147483647 else 2 + 2 * (a > 9223372036854775807)))
-        elif isinstance(a, _Tensor):
-            ptr = a.data_ptr()
-            append(a.dtype)
-            append(not ptr & 15)
-            a = ptr  # an int pointer: the launcher then skips its own data_ptr() call and pointer lookup
-        elif a is None or kind is float or kind is bool:
-            append(kind)
-        else:
-            return None
-        push(a)
-    key.extend(meta.items())
-    return tuple(key), call_args
+# How many exact keys a binder keeps before it starts over (a workload of ever new sizes would grow them).
+_EXACT_KEYS = 1024
 
 
 def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
@@ -115,6 +101,139 @@ def bind(kernel: Any, compiled: Any, n_args: int) -> Bound | None:
                  (None,) * (len(params) - n_args), (kernel, compiled))
 
 
+def specialization(device: int, args: tuple, meta: dict) -> tuple:
+    """The key of what Triton compiles a launch for: the device, then per argument a tensor's dtype and
+    whether its pointer is 16-byte aligned, an int's class (-1 for 1, else (16 divides it) + 2 x (0: i32,
+    1: i64, 2: u64)) or another argument's type, then the keywords (only a tensor puts a dtype in the key,
+    so equal keys mean equal kinds of arguments, position by position)."""
+    key: list = [device]
+    append = key.append
+    for a in args:
+        kind = type(a)
+        if kind is int:
+            append(-1 if a == 1 else (not a & 15) + (
+                0 if -2147483648 <= a <= 2147483647 else 2 + 2 * (a > 9223372036854775807)))
+        elif isinstance(a, _Tensor):
+            append(a.dtype)
+            append(not a.data_ptr() & 15)
+        else:
+            append(kind)
+    key.extend(meta.items())
+    return tuple(key)
+
+
+# The kinds a binder handles, by type: the test that a later argument is of that kind again.
+_KIND_TESTS = {int: "type({a}) is int", float: "type({a}) is float", bool: "type({a}) is bool",
+               type(None): "{a} is None"}
+
+
+def _layout(args: tuple) -> str | None:
+    """One letter per argument (t: tensor, i: int, f: float, b: bool, n: None), or None when one is of
+    another kind."""
+    letters = []
+    for a in args:
+        kind = type(a)
+        if kind in _KIND_TESTS:
+            letters.append("ifbn"[(int, float, bool, type(None)).index(kind)])
+        elif isinstance(a, _Tensor):
+            letters.append("t")
+        else:
+            return None
+    return "".join(letters)
+
+
+def _binder_source(layout: str, grid_dims: int, n_tail: int) -> str:
+    """The source of `make(kernel, exact, specializations) -> binder` for one argument layout and grid size.
+
+    The binder, `go(device, grid, args, meta) -> bool`, returns False (having done nothing) when the launch
+    has another layout, else launches. Its exact key holds the device, each tensor's dtype and pointer
+    alignment, each int as it is and the keywords: a finer key than `specialization`'s, which is computed
+    (in `_first_launch`) only for an exact key not seen yet, so that a launch of sizes seen before pays no
+    per-int classification. `exact` maps exact keys to the Bound of their specialization."""
+    names = [f"a{i}" for i in range(len(layout))]
+    tests, pointers, key, passed = [], [], ["device"], []
+    for a, letter in zip(names, layout):
+        if letter == "t":
+            tests.append(f"isinstance({a}, _Tensor)")
+            pointers.append(f"p{a} = {a}.data_ptr()")
+            key += [f"{a}.dtype", f"not p{a} & 15"]
+            passed.append(f"p{a}")
+            continue
+        tests.append(_KIND_TESTS[{"i": int, "f": float, "b": bool, "n": type(None)}[letter]].format(a=a))
+        if letter == "i":
+            key.append(a)
+        passed.append(a)
+    dims = [f"g{d}" for d in range(grid_dims)]
+    grid_xyz = ", ".join(dims + ["1"] * (3 - grid_dims))
+    unpack_args = f"{', '.join(names)}, = args" if names else "if args: return False"
+    lines = [
+        "def make(kernel, exact, specializations):",
+        "    def go(device, grid, args, meta):",
+        "        try:",
+        f"            {unpack_args}",
+        f"            {', '.join(dims)}, = grid",
+        "        except ValueError:",
+        "            return False",
+    ]
+    if tests:
+        lines.append(f"        if not ({' and '.join(tests)}):")
+        lines.append("            return False")
+    lines += [f"        {line}" for line in pointers]
+    lines += [
+        f"        key = ({', '.join(key)}, *meta.items())",
+        "        bound = exact.get(key)",
+        "        if bound is None:",
+        "            _first_launch(kernel, exact, specializations, key, grid, args, meta)",
+        "            return True",
+        "        run, function, cooperative, pdl, packed_metadata, _, _ = bound",
+        f"        run({grid_xyz}, _raw_stream(device), function, cooperative, pdl, None, None, packed_metadata,"
+        f" None, None, None, {', '.join(passed + ['None'] * n_tail)})",
+        "        return True",
+        "    go.exact, go.specializations = exact, specializations",
+        "    return go",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _first_launch(kernel: Any, exact: dict, specializations: dict, key: tuple, grid: tuple, args: tuple,
+                  meta: dict) -> None:
+    """A launch whose exact key is not known: through Triton the first time of its specialization (binding
+    what Triton compiled, or None where it cannot be bound), else as that specialization launches."""
+    device = key[0]
+    found = specialization(device, args, meta)
+    if found not in specializations:
+        compiled = kernel[grid](*args, **meta)
+        bound = specializations[found] = bind(kernel, compiled, len(args))
+    else:
+        bound = specializations[found]
+        if bound is None:
+            kernel[grid](*args, **meta)
+        else:
+            grid_xyz = (*grid, 1, 1)[:3]
+            pointers = [a.data_ptr() if isinstance(a, _Tensor) else a for a in args]
+            bound.launch(*grid_xyz, _raw_stream(device), bound.function, bound.cooperative, bound.pdl, None, None,
+                         bound.packed_metadata, None, None, None, *pointers, *bound.tail)
+    if bound is not None:
+        if len(exact) >= _EXACT_KEYS:
+            exact.clear()
+        exact[key] = bound
+
+
+def _new_binder(kernel: Any, grid: tuple, args: tuple) -> Callable[..., bool] | None:
+    """A binder for the layout of `args` (added to the kernel's), or None when it is not one handled here."""
+    params = getattr(kernel, "params", None)
+    layout = _layout(args)
+    if params is None or layout is None or not 1 <= len(grid) <= 3 or len(params) < len(args):
+        return None
+    namespace: dict = {}
+    # Defined in this module's globals, so that the stream and hook functions are looked up here per call.
+    exec(compile(_binder_source(layout, len(grid), len(params) - len(args)), f"<fast_launch {layout}>", "exec"),
+         globals(), namespace)
+    go = namespace["make"](kernel, {}, {})
+    _binders[id(kernel)] = (*_binders.get(id(kernel), ()), go)
+    return go
+
+
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
     """`kernel[grid](*args, **meta)`: runtime arguments by position, constexprs and options by keyword."""
     # A launch hook (a profiler's) wants the launch metadata that only Triton's path builds.
@@ -123,14 +242,23 @@ def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
         kernel[grid](*args, **meta)
         return
     device = _current_device()
-    found = specialization_key(kernel, device, args, meta)
-    bound = None if found is None else _bound.get(found[0], False)
-    if not bound:
-        compiled = kernel[grid](*args, **meta)
-        if bound is False:
-            _bound[found[0]] = bind(kernel, compiled, len(args))
-        return
-    run, function, cooperative, pdl, packed_metadata, tail, _ = bound
-    n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(device), function, cooperative, pdl,
-        None, None, packed_metadata, None, None, None, *found[1], *tail)
+    for go in _binders.get(id(kernel), ()):
+        if go(device, grid, args, meta):
+            return
+    go = _new_binder(kernel, grid, args)
+    if go is None:
+        kernel[grid](*args, **meta)
+    else:
+        go(device, grid, args, meta)
+
+
+@contextlib.contextmanager
+def stock_launches() -> Iterator[None]:
+    """Every launch inside goes through Triton's own launcher, for comparison with the bound one. It
+    switches the whole process (every thread), so it is for measurements and tests, not for serving."""
+    global FAST
+    saved, FAST = FAST, False
+    try:
+        yield
+    finally:
+        FAST = saved

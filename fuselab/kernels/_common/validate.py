@@ -2,10 +2,14 @@
 
 Kept to attribute reads and comparisons, since they run on every call, including at decode size: each
 first tests the common case in one expression (no torch.device objects where a flag does), and only
-when that fails goes through the checks one by one to name what is wrong.
+when that fails goes through the checks one by one to name what is wrong. The `..._ok` predicates are
+that first test alone, for an op that tests all of its inputs in one pass: True only where the checks
+they stand for would pass, so an op runs those checks (for their errors) only when a predicate says no.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -19,6 +23,9 @@ INTERPRETED = triton_interpreted()
 KERNEL_DEVICE_TYPE = "cpu" if INTERPRETED else "cuda"
 # The tensor flag that says a tensor is on that device: cheaper to read than `t.device.type`.
 _ON_KERNEL_DEVICE = "is_cpu" if INTERPRETED else "is_cuda"
+on_kernel_device = operator.attrgetter(_ON_KERNEL_DEVICE)
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 
 
 def check_float_tensor(name: str, t: object) -> None:
@@ -64,6 +71,25 @@ def check_row_vector(name: str, t: object, x_name: str, x: torch.Tensor) -> None
         raise ValueError(f"{name} must have shape ({x.shape[-1]},) to match the last dim of {x_name}, got {tuple(t.shape)}")
 
 
+def float_tensor_ok(t: object) -> bool:
+    """`check_float_tensor` would pass."""
+    return isinstance(t, _Tensor) and t.dtype in FLOAT_DTYPES and getattr(t, _ON_KERNEL_DEVICE)
+
+
+def like_ok(t: object, ref: torch.Tensor) -> bool:
+    """`check_like(..., t, ..., ref)` would pass."""
+    return isinstance(t, _Tensor) and t.dtype is ref.dtype and t.shape == ref.shape and t.device == ref.device
+
+
+def rows_and_vector_ok(x: object, v: object) -> bool:
+    """`check_float_tensor` and `check_at_least_1d` of x and `check_row_vector` of v against x would all pass."""
+    if not (isinstance(x, _Tensor) and isinstance(v, _Tensor)):
+        return False
+    shape, v_shape = x.shape, v.shape
+    return (x.dtype in FLOAT_DTYPES and v.dtype in FLOAT_DTYPES and getattr(x, _ON_KERNEL_DEVICE) and len(shape) > 0
+            and len(v_shape) == 1 and v_shape[0] == shape[-1] and v.device == x.device)
+
+
 def check_flag(name: str, value: object) -> None:
     """A real bool: a string such as "no" or a tensor would otherwise be taken by its truthiness."""
     if not isinstance(value, bool):
@@ -82,7 +108,7 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether to go through the autograd.Function; skipping it saves host time in inference."""
-    if not torch.is_grad_enabled():
+    if not _grad_enabled():
         return False
     for t in tensors:  # a loop, not any() over a generator: this runs on every call
         if t is not None and t.requires_grad:

@@ -16,6 +16,7 @@ data-dependent allocation, so a captured CUDA graph replays it with new seq_lens
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ from fuselab.kernels.attention.common import (
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._common.validate import INTERPRETED, check_float_tensor, check_like
+from fuselab.kernels._common.validate import FLOAT_DTYPES, INTERPRETED, check_float_tensor, check_like, on_kernel_device
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -210,43 +211,56 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, dev
 
 
 def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
-    token_width = k.shape[1] * k.shape[2]
-    launch(_store_kv_kernel, (k.shape[0],),
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), token_width, k_cache.shape[0] * k_cache.shape[1],
-        PAGE_SIZE=k_cache.shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
+    k_shape, cache_shape, k_cache_stride, v_cache_stride = k.shape, k_cache.shape, k_cache.stride(), v_cache.stride()
+    token_width = k_shape[1] * k_shape[2]
+    launch(_store_kv_kernel, (k_shape[0],),
+        k, v, k_cache, v_cache, slot_mapping, k.stride()[0], v.stride()[0], k_cache_stride[0], k_cache_stride[1],
+        v_cache_stride[0], v_cache_stride[1], token_width, cache_shape[0] * cache_shape[1],
+        PAGE_SIZE=cache_shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
     )
+
+
+@functools.cache
+def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int, cfg: DecodeConfig,
+                 pdl: bool) -> tuple[dict, dict]:
+    """The split and merge kernels' compile-time arguments and launch options, once per shape and config."""
+    block_d = padded_head_dim(head_dim)
+    split = dict(
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(dtype),
+        ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+    )
+    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
+    merge = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=pdl,
+                 num_warps=4, launch_pdl=pdl)
+    return split, merge
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) -> torch.Tensor:
     batch, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = heads // kv_heads
-    block_d = padded_head_dim(head_dim)
-    cfg = decode_config(head_dim)
-    pdl = use_pdl(q.device)
-    out = torch.empty(batch, heads, head_dim, device=q.device, dtype=q.dtype)
+    cache_shape = k_cache.shape
+    kv_heads = cache_shape[2]
+    split_meta, merge_meta = _decode_meta(heads // kv_heads, head_dim, cache_shape[1], q.dtype, splits,
+                                          decode_config(head_dim), use_pdl(q.device))
+    out = q.new_empty(batch, heads, head_dim)
     if splits == 1:
         part_out = part_lse = out  # unused: the split kernel writes the output itself
     else:
-        part_out = torch.empty(batch, heads, splits, head_dim, device=q.device, dtype=torch.float32)
-        part_lse = torch.empty(batch, heads, splits, device=q.device, dtype=torch.float32)
-    q_stride, kc_stride, vc_stride = q.stride(), k_cache.stride(), v_cache.stride()
+        # One fp32 buffer: the partial outputs [batch, heads, splits, head_dim], then their log-sum-exps.
+        n_parts = batch * heads * splits
+        part_out = q.new_empty(n_parts * (head_dim + 1), dtype=torch.float32)
+        part_lse = part_out[n_parts * head_dim:]
+    q_stride, kc_stride, vc_stride, out_stride = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
+    table_shape = block_tables.shape
     launch(_decode_split_kernel, (batch, kv_heads, splits),
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
-        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride(0), out.stride(0), out.stride(1),
-        splits, scale * LOG2E, k_cache.shape[0], block_tables.shape[1] * k_cache.shape[1],
-        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(q.dtype),
-        ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride()[0], out_stride[0], out_stride[1],
+        splits, scale * LOG2E, cache_shape[0], table_shape[1] * cache_shape[1], **split_meta,
     )
     if splits > 1:
-        # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
         launch(_decode_merge_kernel, (batch * heads,),
-            part_out, part_lse, out, out.stride(0), out.stride(1), heads, splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            part_out, part_lse, out, out_stride[0], out_stride[1], heads, splits, **merge_meta,
         )
     return out
 
@@ -278,6 +292,50 @@ def _check_caches(k_cache: object, v_cache: object) -> None:
     block_size = k_cache.shape[1]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"k_cache's block_size (dim 1) must be a power of two, got {block_size}")
+
+
+def _caches_ok(k_cache: object, v_cache: object) -> bool:
+    """`_check_caches` would pass: its checks in one pass."""
+    if not (isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)):
+        return False
+    shape = k_cache.shape
+    block_size = shape[1] if len(shape) == 4 else 0
+    return (k_cache.dtype in FLOAT_DTYPES and on_kernel_device(k_cache) and block_size >= 1
+            and not block_size & (block_size - 1) and v_cache.dtype is k_cache.dtype and v_cache.shape == shape
+            and v_cache.device == k_cache.device and k_cache.stride()[3] == 1 and v_cache.stride()[3] == 1)
+
+
+def store_inputs_ok(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> bool:
+    """`check_store_inputs` would pass: its checks in one pass."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and isinstance(slot_mapping, torch.Tensor)
+            and _caches_ok(k_cache, v_cache)):
+        return False
+    k_shape, v_shape, slots_shape, cache_shape = k.shape, v.shape, slot_mapping.shape, k_cache.shape
+    device = k_cache.device
+    return (k.dtype in FLOAT_DTYPES and v.dtype in FLOAT_DTYPES and len(k_shape) == 3 and len(v_shape) == 3
+            and k_shape[1] == v_shape[1] == cache_shape[2] and k_shape[2] == v_shape[2] == cache_shape[3]
+            and v_shape[0] == k_shape[0] and k.device == device and v.device == device
+            and slot_mapping.dtype is torch.int32 and len(slots_shape) == 1 and slots_shape[0] == k_shape[0]
+            and slot_mapping.device == device)
+
+
+def _decode_inputs_ok(q: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object) -> bool:
+    """decode_attention's checks of its tensors would pass: in one pass."""
+    if not (isinstance(q, torch.Tensor) and isinstance(block_tables, torch.Tensor)
+            and isinstance(seq_lens, torch.Tensor) and _caches_ok(k_cache, v_cache)):
+        return False
+    q_shape, cache_shape, table_shape, lens_shape = q.shape, k_cache.shape, block_tables.shape, seq_lens.shape
+    device = q.device
+    if len(q_shape) != 3:
+        return False
+    batch, heads, head_dim = q_shape
+    kv_heads = cache_shape[2]
+    # q's dtype and device are the cache's, so q is a float tensor on the kernels' device too.
+    return (q.dtype is k_cache.dtype and device == k_cache.device and head_dim in SUPPORTED_HEAD_DIMS
+            and cache_shape[3] == head_dim and kv_heads != 0 and heads % kv_heads == 0
+            and block_tables.dtype is torch.int32 and len(table_shape) == 2 and table_shape[0] == batch
+            and block_tables.device == device and seq_lens.dtype is torch.int32 and len(lens_shape) == 1
+            and lens_shape[0] == batch and seq_lens.device == device)
 
 
 def check_store_inputs(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
@@ -313,7 +371,8 @@ def store_kv(
 
     check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks slot_mapping
     on the host first, a sync, and raises ValueError naming a slot outside the cache or repeated."""
-    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    if not store_inputs_ok(k, v, k_cache, v_cache, slot_mapping):
+        check_store_inputs(k, v, k_cache, v_cache, slot_mapping)  # the checks one by one, which name what is wrong
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(2) != t.shape[3]:
             raise ValueError(f"{name} must hold each slot's heads side by side (stride {t.shape[3]} on dim 2), "
@@ -355,6 +414,29 @@ def decode_attention(
     variable) checks seq_lens and block_tables on the host first, a sync, and raises ValueError
     naming the bad entry.
     """
+    if not _decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens):
+        _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)  # one by one, naming what is wrong
+    batch, heads, head_dim = q.shape
+    if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 1:
+        raise ValueError(f"max_splits must be a positive int, got {max_splits!r}")
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
+    scale = resolve_scale(scale, head_dim)
+    device = q.device
+    if indices.requested(check_indices, device):
+        indices.check_paged_context(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
+    if batch == 0:
+        return torch.empty_like(q)
+    if q.stride()[2] != 1:
+        q = q.contiguous()
+    splits = num_splits(batch, k_cache.shape[2], max_seq_len, max_splits, device)
+    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits)
+
+
+def _check_decode_inputs(q: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object) -> None:
+    """decode_attention's checks of its tensors, one by one."""
     _check_caches(k_cache, v_cache)
     check_float_tensor("q", q)
     if q.dim() != 3:
@@ -376,18 +458,3 @@ def decode_attention(
     if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
         raise ValueError(f"block_tables ({block_tables.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) "
                          f"must have one entry per sequence of q ({batch})")
-    if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 1:
-        raise ValueError(f"max_splits must be a positive int, got {max_splits!r}")
-    if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
-    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
-    scale = resolve_scale(scale, head_dim)
-    if indices.requested(check_indices, q.device):
-        indices.check_paged_context(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
-    if batch == 0:
-        return torch.empty_like(q)
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    splits = num_splits(batch, kv_heads, max_seq_len, max_splits, q.device)
-    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits)
