@@ -310,7 +310,8 @@ def _assert_same(expected, got):
 
 
 def _decode_ops(dtype, offset):
-    """The engine's decode ops at a small shape; `offset` elements into each buffer (1: misaligned pointers)."""
+    """The engine's and fuselab.patch's decode ops, and the other ops that launch through fast_launch, at a
+    small shape; `offset` elements into each buffer (1: misaligned pointers)."""
     from fuselab import kernels
 
     torch.manual_seed(0)
@@ -343,6 +344,11 @@ def _decode_ops(dtype, offset):
         "rope_and_store_kv": lambda: kernels.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache.clone(),
                                                                v_cache.clone(), slots),
         "decode_attention": lambda: kernels.decode_attention(q, k_cache, v_cache, tables, lens, max_seq_len=2048),
+        "apply_rope": lambda: kernels.apply_rope(q, k, positions, cos_sin),
+        "add": lambda: kernels.add(x, res),
+        "bias_act": lambda: kernels.bias_act(x, w),
+        "layer_norm": lambda: kernels.layer_norm(x, w, res[0], residual=res),
+        "softmax": lambda: kernels.softmax(x),
     }
 
 

@@ -111,8 +111,8 @@ def test_caches_and_the_store(device):
 
 def test_rope_and_store_kv(device):
     k, v, k_cache, v_cache, slots = _store(device)
-    q, positions, cos_sin = torch.randn(3, 4, 16, device=device), torch.arange(3, device=device), torch.randn(32, 16,
-                                                                                                           device=device)
+    q, positions = torch.randn(3, 4, 16, device=device), torch.arange(3, device=device)
+    cos_sin = torch.randn(32, 16, device=device)
 
     def ok(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout):
         return (rope_module._inputs_ok(q, k, positions, cos_sin, layout) and q.dim() == 3
