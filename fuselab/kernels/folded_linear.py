@@ -1,13 +1,13 @@
 """One-row projections with the op before them folded into the GEMV: one kernel where there were two.
 
-In a graph-captured batch-1 decode step every kernel costs a fixed launch-and-drain time whatever its
-work, and the add + RMSNorm before q/k/v and the SwiGLU before the down projection write a row that the
-GEMV after them reads again. Here the Triton GEMV of fuselab.kernels.linear (same blocks, same dependent launch) forms
+In a graph-captured batch-1 decode step every kernel costs a fixed few µs whatever its work, and the
+add + RMSNorm before q/k/v and the SwiGLU before the down projection read a row the GEMV after them
+reads again. Here the Triton GEMV of fuselab.kernels.linear (same blocks, same dependent launch) forms
 that row itself as it multiplies:
 
 - `add_rms_norm_linear`: every program loads x (+ residual), takes the row's mean square and
-  normalizes it (a row of up to 4096 is read whole in one step: the row comes from L2, beside the
-  program's rows of W from HBM); program 0 also stores the new residual x + residual;
+  normalizes it (a row of up to 4096 is read whole in one step, so this costs a few µs of L2 reads
+  next to the program's rows of W); program 0 also stores the new residual x + residual;
 - `silu_mul_linear`: the down projection reads [gate | up] and computes silu(gate) · up a block at a time.
 
 Each rounds as the unfused chain does (the sum and the normalized row, or the SwiGLU output, to the
@@ -34,8 +34,7 @@ from fuselab.kernels._common.validate import (
     contiguous,
     needs_autograd,
 )
-from fuselab.kernels.linear import NUM_WARPS, gemv_blocks, gemv_wins, linear
-from fuselab.kernels.linear import _check as check_linear
+from fuselab.kernels.linear import NUM_WARPS, _check as check_linear, gemv_blocks, gemv_wins, linear
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.swiglu import silu_and_mul
 
@@ -64,7 +63,7 @@ def _add_rms_norm_gemv_kernel(
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
     # x + residual rounded to the input dtype, as rms_norm forms it; one program stores it for the next add.
     x = load_input_row(X, R, H, ks, k_ok, HAS_RESIDUAL, False)
-    if HAS_RESIDUAL:  # noqa: SIM102 (a compile-time branch around a run-time one)
+    if HAS_RESIDUAL:
         if pid == 0:
             tl.store(H + ks, x.to(H.dtype.element_ty), mask=k_ok)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
