@@ -11,9 +11,7 @@ fuselab.kernels.reference, "fused" calls fuselab's Triton kernels: RMSNorm fused
 add, SwiGLU on the merged gate/up, RoPE and the KV-cache store in one launch, varlen flash attention
 for prefill, paged flash-decoding for decode, and a two-launch argmax for the greedy pick. The
 projections are cuBLAS GEMMs in both, except that "fused" runs a one-row projection with few
-output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV. Built with `fold` (the
-default), a fused decode step's q/k/v GEMV also takes over the add + RMSNorm before it and the down GEMV
-the SwiGLU (fuselab.kernels.folded_linear): two kernels fewer a layer at batch 1.
+output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV.
 
 With a quantization scheme every projection, lm_head included, is a QuantizedLinear (packed int4,
 int8 or fp8 weights, fuselab.engine.quantize): "fused" runs fuselab.kernels.quantized_linear,
@@ -26,7 +24,6 @@ and down_proj's partial sums are all-reduced over the ranks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -39,7 +36,6 @@ from fuselab.engine.config import ModelConfig
 from fuselab.engine.parallel import TensorParallel, shard_config
 from fuselab.engine.quantize import QuantizedLinear, QuantScheme, bind_quantized
 from fuselab.kernels import reference, reference_quant
-from fuselab.kernels.folded_linear import add_rms_norm_linear, silu_mul_linear
 
 
 @dataclass
@@ -141,13 +137,9 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial o_proj output in place
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """The merged q/k/v projection of the normalized input."""
-        return self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-
-    def forward(self, qkv: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """The attention output projected back to the hidden size, from the merged q/k/v projection."""
-        ops, tokens = self.ops, qkv.shape[0]
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        ops, tokens = self.ops, x.shape[0]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -200,14 +192,9 @@ class MLP(nn.Module):
         self.ops = ops
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial down_proj output in place
 
-    def forward(self, x: torch.Tensor, fold: bool = False) -> torch.Tensor:
-        """With `fold`, the down projection takes the SwiGLU in (folded_linear.silu_mul_linear)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        gate_up = ops.linear(x, self.gate_up_proj.weight)
-        if fold:
-            out = silu_mul_linear(gate_up, self.down_proj.weight)
-        else:
-            out = ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
+        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -215,10 +202,8 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
-                 max_model_len: int, quant: QuantScheme | None = None, all_reduce: Callable | None = None,
-                 fold: bool = False) -> None:
+                 max_model_len: int, quant: QuantScheme | None = None, all_reduce: Callable | None = None) -> None:
         super().__init__()
-        self.fold = fold  # decode steps run the folded q/k/v and down projections (build_model)
         self.self_attn = Attention(config, dtype, ops, cos_sin, max_model_len, quant, all_reduce)
         self.mlp = MLP(config, dtype, ops, quant, all_reduce)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
@@ -228,18 +213,10 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried beside the layer output, so that each norm adds it in the
         # same pass ((x + residual) is both normalized and kept for the next add).
-        # Folded, a decode step's one-row GEMVs form their inputs themselves; each falls back to the
-        # unfused ops where it would not run as a GEMV (several rows). Prefill keeps the unfused ops.
-        fold = self.fold and not attn.is_prefill
-        if fold:
-            norm, proj = self.input_layernorm, self.self_attn.qkv_proj
-            qkv, residual = add_rms_norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        else:
-            h, residual = self.input_layernorm.add_and_normalize(x, residual)
-            qkv = self.self_attn.project(h)
-        h = self.self_attn(qkv, attn)
+        h, residual = self.input_layernorm.add_and_normalize(x, residual)
+        h = self.self_attn(h, attn)
         h, residual = self.post_attention_layernorm.add_and_normalize(h, residual)
-        return self.mlp(h, fold), residual
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -251,7 +228,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, ops: Ops, cos_sin: torch.Tensor,
                  max_model_len: int, quant: QuantScheme | None = None,
-                 tensor_parallel: TensorParallel | None = None, fold: bool = False) -> None:
+                 tensor_parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tensor_parallel = tensor_parallel
@@ -260,8 +237,8 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len, quant, all_reduce,
-                                                       fold) for _ in range(config.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len, quant, all_reduce)
+                                          for _ in range(config.num_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         head_quant = quant if quant is not None and quant.quantize_head else None
         # Tied, the logits read the embedding, whose lookups need its rows: it stays row-major.
@@ -298,16 +275,12 @@ class LlamaForCausalLM(nn.Module):
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,
                 mode: str, quant: QuantScheme | None = None,
-                tensor_parallel: TensorParallel | None = None, fold: bool | None = None) -> LlamaForCausalLM:
+                tensor_parallel: TensorParallel | None = None) -> LlamaForCausalLM:
     """An uninitialized model on `device`, running `mode`'s ops (with `quant`, on quantized
     projections; with `tensor_parallel`, the rank's shard of the model of `config`): built on the
     meta device, so no memory is written twice (the weights come from a checkpoint or a random
-    init next). `fold` (default: on, unless the environment has FUSELAB_FOLD=0, read at each build
-    so that one process can build both) folds the norm and the SwiGLU into a fused decode step's
-    one-row GEMVs; it applies to float weights only."""
+    init next)."""
     fused = mode in ("fused", "graphs")
-    if fold is None:
-        fold = os.environ.get("FUSELAB_FOLD", "1") != "0"
     if quant is None:
         ops = FUSED_OPS if fused else EAGER_OPS
     else:
@@ -317,8 +290,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     if tensor_parallel is not None:
         config = shard_config(config, tensor_parallel.size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype, ops, cos_sin, max_model_len, quant, tensor_parallel,
-                                 fold=fold and fused and quant is None)
+        model = LlamaForCausalLM(config, dtype, ops, cos_sin, max_model_len, quant, tensor_parallel)
     model = model.to_empty(device=device).eval()
     bind_quantized(model)  # the packed buffers were replaced by to_empty
     return model
