@@ -85,10 +85,12 @@ def _gemm_kernel(
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Grid (x's row tiles, W's row tiles, splits): the programs reading one tile of W run side by
-    # side. A step's words are the [BLOCK_N, BLOCK_W] operand of each code j as they are loaded (no
-    # reshape or sum between the load and the dot, which would cost a layout conversion a step): its
-    # column c multiplies element 16·j + c % 16 of block c // 16 (x_offsets). GROUPS: int4 scale
-    # groups a block (1 for the 8-bit formats).
+    # side. The operand of code j is [BLOCK_N, BLOCK_W]: its column c multiplies element 16·j + c % 16
+    # of block c // 16 (x_offsets). The 8-bit formats load it as it is (a reshape between the load and
+    # the dot costs a layout conversion a step: 8-25% at 64 rows); int4 loads [BLOCK_N, BLOCKS, 16], so
+    # that a scale, one per row and block for a code j, broadcasts along the last axis, and reshapes
+    # after dequantizing (scales gathered per column instead cost more). GROUPS: int4 scale groups a
+    # block (1 for the 8-bit formats).
     ELEMS: tl.constexpr = 16 * PER_WORD
     BLOCKS: tl.constexpr = BLOCK_W // 16
     CODES_PER_GROUP: tl.constexpr = PER_WORD // GROUPS
@@ -102,7 +104,12 @@ def _gemm_kernel(
     m_ok = ms < M
     ms = tl.minimum(ms, M - 1)
     cols = tl.arange(0, BLOCK_W)
-    w_ptrs = Wq + rows[:, None].to(tl.int64) * n_words + cols[None, :]
+    if FORMAT == 0:
+        blocks = tl.arange(0, BLOCKS)
+        words = blocks[:, None] * 16 + tl.arange(0, 16)[None, :]
+        w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + words[None, :, :]
+    else:
+        w_ptrs = Wq + rows[:, None].to(tl.int64) * n_words + cols[None, :]
     x_offsets = (cols // 16) * ELEMS + cols % 16
     xt_ptrs = X + ms[None, :].to(tl.int64) * stride_xm + x_offsets[:, None]
     # This split's steps: a contiguous run; the splits' runs differ by one step at most.
@@ -110,13 +117,13 @@ def _gemm_kernel(
     first = split * n_steps // SPLIT_K
     end = (split + 1) * n_steps // SPLIT_K
     if FORMAT == 0:
-        # A column's scale, [BLOCK_N, BLOCK_W] (the 16 columns of a block read one address). With one
-        # group a block, a step's scales are requested a step before they are used, the first before
-        # the wait on the kernel before: they are weights. Clamped to the row's last step (a split
-        # may have none).
-        s_ptrs = S + rows[:, None].to(tl.int64) * stride_sn + ((cols // 16) * GROUPS)[None, :]
-        if GROUPS == 1:
-            s_next = tl.load(s_ptrs + tl.minimum(first, n_steps - 1) * BLOCKS)
+        # A step's scales [BLOCK_N, BLOCKS, GROUPS] are requested a step before they are used (too
+        # few bytes a thread for the pipeliner to stage them), the first before the wait on the
+        # kernel before: they are weights. Clamped to the row's last step (a split may have none).
+        groups = tl.arange(0, GROUPS)
+        s_ptrs = (S + rows[:, None, None].to(tl.int64) * stride_sn
+                  + (blocks[:, None] * GROUPS + groups[None, :])[None, :, :])
+        s_next = tl.load(s_ptrs + tl.minimum(first, n_steps - 1) * (BLOCKS * GROUPS))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     dtype = X.dtype.element_ty
@@ -124,9 +131,9 @@ def _gemm_kernel(
     for step in range(first, end):
         w = tl.load(w_ptrs + step * BLOCK_W)
         hi = _high_half(w, FORMAT)
-        if FORMAT == 0 and GROUPS == 1:
-            scale = s_next.to(tl.float32)
-            s_next = tl.load(s_ptrs + tl.minimum(step + 1, n_steps - 1) * BLOCKS)
+        if FORMAT == 0:
+            s_step = s_next.to(tl.float32)
+            s_next = tl.load(s_ptrs + tl.minimum(step + 1, n_steps - 1) * (BLOCKS * GROUPS))
         k0 = step * (BLOCKS * ELEMS)
         for j in tl.static_range(PER_WORD):
             if EVEN_K:
@@ -134,10 +141,14 @@ def _gemm_kernel(
             else:
                 xt = tl.load(xt_ptrs + (k0 + j * 16), mask=(k0 + j * 16 + x_offsets < K)[:, None], other=0.0)
             if FORMAT == 0:
-                if GROUPS > 1 and j % CODES_PER_GROUP == 0:  # code j starts a group
-                    scale = tl.load(s_ptrs + (step * BLOCKS * GROUPS + j // CODES_PER_GROUP)).to(tl.float32)
+                if j % CODES_PER_GROUP == 0:  # code j starts a group: its scale, [BLOCK_N, BLOCKS, 1]
+                    if GROUPS == 1:
+                        scale = s_step
+                    else:
+                        scale = tl.sum(tl.where(groups[None, None, :] == j // CODES_PER_GROUP, s_step, 0.0),
+                                       axis=2, keep_dims=True)
                 # q · s is exact in fp32 (a 4-bit q, a bf16 or fp16 scale): one rounding, to x's dtype.
-                a = (_codes(w, hi, magic, j, FORMAT) * scale).to(dtype)
+                a = tl.reshape((_codes(w, hi, magic, j, FORMAT) * scale).to(dtype), (BLOCK_N, BLOCK_W))
             else:
                 a = _operand(w, hi, magic, j, FORMAT, dtype)
             if DOT_FP32:
