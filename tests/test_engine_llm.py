@@ -10,21 +10,10 @@ import pytest
 import torch
 
 import fuselab
-from engine_checkpoints import build_hf_model, save_checkpoint
 from fuselab.engine import LLM, SamplingParams
 from fuselab.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    return build_hf_model("llama3")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(hf_model, tmp_path_factory):
-    return save_checkpoint(hf_model, tmp_path_factory.mktemp("llama3") / "ckpt")
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,6 @@ ENGINE = dict(mode="eager", dtype="float32", max_model_len=128)
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    return build_hf_model("llama3")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(hf_model, tmp_path_factory):
-    return save_checkpoint(hf_model, tmp_path_factory.mktemp("llama3") / "ckpt")
-
-
-@pytest.fixture(scope="module")
 def single(checkpoint):
     return LLM(checkpoint, **ENGINE, max_num_seqs=1)
 

@@ -31,6 +31,14 @@ def _tiny_model(model_type, device, dtype=torch.float32):
     return model.to(device=device, dtype=dtype)
 
 
+def _model_and_patched_copy(model_type, device, dtype=torch.float32):
+    """A tiny model and a patched deep copy of it, the two sides of a comparison."""
+    model = _tiny_model(model_type, device, dtype)
+    patched = copy.deepcopy(model)
+    patch(patched)
+    return model, patched
+
+
 def _tokens(device, batch=2, seq=9):
     return torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -52,9 +60,7 @@ def test_patched_logits_match_float32(device, model_type):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_patched_logits_match_bfloat16(device, model_type):
-    model = _tiny_model(model_type, device, torch.bfloat16)
-    patched = copy.deepcopy(model)
-    patch(patched)
+    model, patched = _model_and_patched_copy(model_type, device, torch.bfloat16)
     tokens = _tokens(device)
     with torch.no_grad():
         expected = _tiny_model(model_type, device)(tokens).logits  # float32 truth
@@ -81,9 +87,7 @@ def test_training_with_fused_stack_gives_the_same_losses(device, model_type):
             losses.append(loss.item())
         return losses
 
-    model = _tiny_model(model_type, device)
-    patched = copy.deepcopy(model)
-    patch(patched)
+    model, patched = _model_and_patched_copy(model_type, device)
     theirs = train(model, torch.optim.AdamW(model.parameters(), lr=3e-3), torch.nn.functional.cross_entropy)
     ours = train(patched, FusedAdamW(patched.parameters(), lr=3e-3), cross_entropy)
     assert theirs[-1] < theirs[0]
@@ -216,9 +220,7 @@ def _count_rotate_half(monkeypatch, model_type):
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
 def test_unpatched_model_of_the_same_class_keeps_hugging_face_rotary(device, monkeypatch, model_type):
-    model = _tiny_model(model_type, device)
-    patched = copy.deepcopy(model)
-    patch(patched)
+    model, patched = _model_and_patched_copy(model_type, device)
     calls = _count_rotate_half(monkeypatch, model_type)
     tokens = _tokens(device)
     with torch.no_grad():
@@ -230,9 +232,7 @@ def test_unpatched_model_of_the_same_class_keeps_hugging_face_rotary(device, mon
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
 def test_patched_generate_gives_the_same_greedy_tokens(device, model_type):
-    model = _tiny_model(model_type, device)
-    patched = copy.deepcopy(model)
-    patch(patched)
+    model, patched = _model_and_patched_copy(model_type, device)
     tokens = _tokens(device, batch=2, seq=5)
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -243,9 +243,7 @@ def test_patched_generate_gives_the_same_greedy_tokens(device, model_type):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_patched_gradients_match(device, monkeypatch, model_type):
-    model = _tiny_model(model_type, device)
-    patched = copy.deepcopy(model)
-    patch(patched)
+    model, patched = _model_and_patched_copy(model_type, device)
     calls = _count_rotate_half(monkeypatch, model_type)
     tokens = _tokens(device)
     _token_positions.cache_clear()
