@@ -121,6 +121,12 @@ def test_rope_and_store_kv(device):
 
     _assert_stands_for(ok, rope_module._check_store_inputs,
                        (q, k, v, positions, cos_sin, k_cache, v_cache, slots, "rotate_half"))
+    # The decode layout's predicate, which also picks the lean kernel: views of one projection too.
+    _assert_stands_for(rope_module._decode_layout_ok, rope_module._check_store_inputs,
+                       (q, k, v, positions, cos_sin, k_cache, v_cache, slots, "rotate_half"))
+    qkv = torch.randn(3, 8, 16, device=device)
+    views = (qkv[:, :4], qkv[:, 4:6], qkv[:, 6:])
+    assert rope_module._decode_layout_ok(*views, positions, cos_sin, k_cache, v_cache, slots, "interleaved")
 
 
 def test_decode_attention(device):

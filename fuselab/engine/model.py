@@ -214,9 +214,9 @@ class DecoderLayer(nn.Module):
         # The residual stream is carried beside the layer output, so that each norm adds it in the
         # same pass ((x + residual) is both normalized and kept for the next add).
         h, residual = self.input_layernorm.add_and_normalize(x, residual)
-        h = self.self_attn(h, attn)
+        h = self.self_attn.forward(h, attn)  # forward, not __call__: see LlamaForCausalLM.forward
         h, residual = self.post_attention_layernorm.add_and_normalize(h, residual)
-        return self.mlp(h), residual
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -257,8 +257,10 @@ class LlamaForCausalLM(nn.Module):
         """(last layer's output, residual stream), each [T, hidden], for packed input_ids [T]. The
         final norm is compute_logits', which prefill runs on its last tokens only."""
         h, residual = self.model.embed_tokens(input_ids), None
+        # The layers' forward directly: a module call's hook dispatch costs host time three times a
+        # layer, and the eager and fused modes are bound by the host. No hooks are registered here.
         for layer in self.model.layers:
-            h, residual = layer(h, residual, attn)
+            h, residual = layer.forward(h, residual, attn)
         return h, residual
 
     def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
