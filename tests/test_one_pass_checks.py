@@ -14,6 +14,7 @@ from fuselab.kernels._common import validate
 from fuselab.kernels.attention import paged_attention as paged
 
 # The modules (the package's `linear` is the function).
+gate_up_module = importlib.import_module("fuselab.kernels.gate_up_swiglu")
 linear_module = importlib.import_module("fuselab.kernels.linear")
 rope_module = importlib.import_module("fuselab.kernels.rope")
 
@@ -86,6 +87,12 @@ def test_linear(device, bias):
     w = torch.randn(8, 16, device=device)
     b = torch.randn(8, device=device) if bias else None
     _assert_stands_for(linear_module._inputs_ok, linear_module._check, (x, w, b))
+
+
+def test_gate_up_swiglu(device):
+    x = torch.randn(1, 16, device=device)
+    weight = torch.randn(16, 8, device=device).t()  # in-major, as the engine stores it
+    _assert_stands_for(gate_up_module._inputs_ok, gate_up_module._check, (x, weight))
 
 
 @pytest.mark.parametrize("dims", [3, 4])

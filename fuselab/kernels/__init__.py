@@ -16,6 +16,7 @@ from fuselab.kernels.attention.flash_attention import flash_attention, flash_att
 from fuselab.kernels.attention.paged_attention import decode_attention, store_kv
 from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.cross_entropy import cross_entropy
+from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
 from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.linear import linear
 from fuselab.kernels.rms_norm import rms_norm
@@ -38,6 +39,7 @@ __all__ = [
     "dependent_launches",
     "flash_attention",
     "flash_attention_varlen",
+    "gate_up_swiglu",
     "layer_norm",
     "linear",
     "quantize_weight",

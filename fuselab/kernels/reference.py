@@ -78,6 +78,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return swiglu(gate, up)
 
 
+def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A Llama MLP's merged gate/up projection (weight [2I, K] = [gate | up]) and its SwiGLU."""
+    return silu_and_mul(F.linear(x, weight))
+
+
 def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.softmax(_upcast(x), dim=dim).to(x.dtype)
 
