@@ -11,7 +11,8 @@ fuselab.kernels.reference, "fused" calls fuselab's Triton kernels: RMSNorm fused
 add, SwiGLU on the merged gate/up, RoPE and the KV-cache store in one launch, varlen flash attention
 for prefill, paged flash-decoding for decode, and a two-launch argmax for the greedy pick. The
 projections are cuBLAS GEMMs in both, except that "fused" runs a one-row projection with few
-output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV.
+output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV, and one row's gate/up
+projection with its SwiGLU as one Triton launch (gate_up_swiglu).
 
 With a quantization scheme every projection, lm_head included, is a QuantizedLinear (packed int4,
 int8 or fp8 weights, fuselab.engine.quantize): "fused" runs fuselab.kernels.quantized_linear,
@@ -57,17 +58,25 @@ class AttentionMetadata:
 class Ops(NamedTuple):
     linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
     rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
-    silu_and_mul: Callable
+    gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
     rope_and_store_kv: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
     decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
     argmax: Callable  # [rows, vocab] -> [rows]
 
 
+def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # One row (batch-1 decode): the projection and SwiGLU in one launch over the in-major weight,
+    # where cuBLAS and the SwiGLU kernel take two; more rows fill the GPU through cuBLAS.
+    if x.shape[0] == 1:
+        return kernels.gate_up_swiglu(x, weight)
+    return kernels.silu_and_mul(kernels.linear(x, weight))
+
+
 EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
-    silu_and_mul=reference.silu_and_mul,
+    gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
     rope_and_store_kv=reference.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: reference.decode_attention(q, kc, vc, bt, sl, scale),
@@ -77,7 +86,7 @@ EAGER_OPS = Ops(
 FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
-    silu_and_mul=kernels.silu_and_mul,
+    gate_up_swiglu=_fused_gate_up_swiglu,
     rope_and_store_kv=kernels.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
         q, k, v, cu, max_len, True, scale),
@@ -89,8 +98,12 @@ FUSED_OPS = Ops(
 )
 
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
-EAGER_QUANT_OPS = EAGER_OPS._replace(linear=reference_quant.quantized_linear)
-FUSED_QUANT_OPS = FUSED_OPS._replace(linear=kernels.quantized_linear)
+EAGER_QUANT_OPS = EAGER_OPS._replace(
+    linear=reference_quant.quantized_linear,
+    gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference_quant.quantized_linear(x, w)))
+FUSED_QUANT_OPS = FUSED_OPS._replace(
+    linear=kernels.quantized_linear,
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
 
 
 class RMSNorm(nn.Module):
@@ -194,7 +207,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        out = ops.linear(ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+        out = ops.linear(ops.gate_up_swiglu(x, self.gate_up_proj.weight), self.down_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
