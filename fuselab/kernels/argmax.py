@@ -21,7 +21,12 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, use_pdl
-from fuselab.kernels._common.validate import check_counters, check_float_tensor, counters_ok, float_tensor_ok
+from fuselab.kernels._common.validate import (
+    check_counters,
+    check_float_tensor,
+    counters_ok,
+    float_tensor_ok,
+)
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
