@@ -3,6 +3,7 @@ through a KV cache too small for all requests at once."""
 
 from __future__ import annotations
 
+import importlib
 import random
 import warnings
 
@@ -12,8 +13,10 @@ import torch
 import fuselab
 from fuselab.engine import LLM, SamplingParams
 from fuselab.engine.sequence import Sequence
+from fuselab.kernels.attention import paged_attention
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
+argmax_module = importlib.import_module("fuselab.kernels.argmax")  # the package's `argmax` is the function
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,23 @@ def test_padded_decode_rows_store_nothing_and_change_no_real_row(llm):
             assert torch.equal(before, after)
     finally:
         block_manager.free(seq)
+
+
+@pytest.mark.filterwarnings("ignore:mode 'fused' on the CPU")
+def test_fused_steps_merge_by_tickets_on_the_models_counters(llm, checkpoint, monkeypatch):
+    # Short splits and chunks: decode attention's splits and the argmax's chunks are merged by tickets.
+    monkeypatch.setattr(paged_attention, "MIN_TOKENS_PER_SPLIT", 16)
+    monkeypatch.setattr(paged_attention, "PROGRAMS_PER_SM", 10**4)
+    monkeypatch.setattr(argmax_module, "CHUNK", 64)
+    fused = LLM(checkpoint, mode="fused", dtype="float32", max_model_len=64, max_num_seqs=3)  # 4 splits
+    model = fused.model
+    attention_counters = model.model.layers[0].self_attn.counters
+    assert attention_counters.shape == (3 * model.config.num_kv_heads,) and model.argmax_counters.shape == (3,)
+    assert all(layer.self_attn.counters is attention_counters for layer in model.model.layers)
+    prompts, params = [[5, 6, 7], list(range(40)), [9] * 20], SamplingParams(temperature=0, max_tokens=4)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in fused.generate(prompts, params)] == expected
+    assert not attention_counters.any() and not model.argmax_counters.any()
 
 
 def test_output_stops_at_max_model_len(llm):

@@ -78,6 +78,63 @@ def test_many_chunks_and_a_looped_merge(device, monkeypatch):
     _check(x)
 
 
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """16-column chunks, merged 4 a step: many chunks and a looped merge at small widths."""
+    monkeypatch.setattr(kernel_module("argmax"), "CHUNK", 16)
+    monkeypatch.setattr(kernel_module("argmax"), "MAX_MERGE_BLOCK", 4)
+
+
+def test_ties_and_nans_across_many_chunk_boundaries(device, small_chunks):
+    x = torch.zeros(7, 200, device=device)  # 13 chunks
+    x[0, [15, 16, 199]] = 5.0  # a tie either side of the first boundary and in the last chunk
+    x[1, [47, 48, 63, 64]] = 5.0  # ties at two boundaries: the first
+    x[2, [160, 32]] = NAN  # the first NaN, in an earlier chunk than the later one
+    x[3, 5], x[3, 191] = INF, NAN  # a NaN in the last chunk beats +inf in the first
+    x[4] = -INF
+    x[4, 112] = NAN
+    x[5, 199] = 1.0  # the last column alone
+    x[6] = 3.0  # the whole row ties
+    assert argmax(x).tolist() == [15, 47, 32, 191, 112, 199, 0]
+    _check(x)
+
+
+@pytest.mark.parametrize("width", [16, 17, 140, 1000])
+def test_given_counters_are_left_at_zero_and_reused(device, small_chunks, width):
+    x = _randn((5, width), torch.float32, device, seed=width)
+    counters = torch.zeros(8, dtype=torch.int32, device=device)  # more than the 5 needed is fine
+    first = argmax(x, counters=counters)
+    assert first.tolist() == reference.argmax(x).tolist()
+    assert not counters.any()
+    assert torch.equal(argmax(x, counters=counters), first)
+    assert torch.equal(argmax(x, counters=counters[:5]), first)  # exactly as many as needed
+    assert not counters.any()
+    y = _randn((5, width), torch.float32, device, seed=width + 1)
+    assert argmax(y, counters=counters).tolist() == reference.argmax(y).tolist()  # other data, same buffer
+
+
+def test_repeated_calls_are_identical(device, small_chunks):
+    x = _randn((4, 333), torch.bfloat16, device)
+    x[:, ::7] = x[:, :1]  # many ties
+    runs = [argmax(x) for _ in range(3)]
+    assert all(torch.equal(run, runs[0]) for run in runs)
+
+
+def test_bad_counters_raise_naming_them(device):
+    x = torch.randn(3, 8, device=device)
+    with pytest.raises(TypeError, match="counters must be a torch.Tensor"):
+        argmax(x, counters=[0, 0, 0])
+    with pytest.raises(TypeError, match="counters must be int32"):
+        argmax(x, counters=torch.zeros(3, device=device))
+    with pytest.raises(ValueError, match="counters has 2 elements but this call needs at least 3"):
+        argmax(x, counters=torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="counters must be contiguous"):
+        argmax(x, counters=torch.zeros(6, dtype=torch.int32, device=device)[::2])
+    elsewhere = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="counters is on"):
+        argmax(x, counters=torch.zeros(3, dtype=torch.int32, device=elsewhere))
+
+
 def test_strided_rows_and_columns(device):
     wide = _randn((4, 3 * CHUNK), torch.bfloat16, device)
     _check(wide[:, 5 : 2 * CHUNK + 100])  # a column slice: strided rows, read in place

@@ -106,6 +106,77 @@ def test_split_count_comes_from_static_sizes(device):
 
 
 # --------------------------------------------------------------------------------------------
+# decode: the last split merges, by a ticket counter
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def many_splits(monkeypatch, short_splits):
+    """As many splits as max_splits asks for, whatever the batch: the interpreter's few SMs would cap them."""
+    monkeypatch.setattr(paged, "PROGRAMS_PER_SM", 10**4)
+
+
+def _split_case(device, lengths=(300, 1, 0, 517, 64), heads=8, kv_heads=2, head_dim=32, block_size=16):
+    k_cache, v_cache, block_tables, seq_lens = _paged_cache(list(lengths), kv_heads, head_dim, block_size,
+                                                            torch.float32, device)
+    q = _randn((len(lengths), heads, head_dim), torch.float32, device, 7)
+    return q, k_cache, v_cache, block_tables, seq_lens
+
+
+@pytest.mark.parametrize("max_splits", [2, 5, 13, 32])
+def test_decode_merges_many_splits(device, many_splits, max_splits):
+    q, k_cache, v_cache, block_tables, seq_lens = _split_case(device)
+    max_seq_len = block_tables.shape[1] * 16
+    assert paged.num_splits(q.shape[0], 2, max_seq_len, max_splits, q.device) == max_splits
+    out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len=max_seq_len, max_splits=max_splits)
+    expected = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+    assert_close(out, expected, torch.float32)
+    assert not out[2].any()  # the empty context
+
+
+@pytest.mark.parametrize("max_splits", [1, 6])
+def test_decode_leaves_given_counters_at_zero_for_the_next_call(device, many_splits, max_splits):
+    q, k_cache, v_cache, block_tables, seq_lens = _split_case(device)
+    counters = torch.zeros(q.shape[0] * 2 + 3, dtype=torch.int32, device=device)  # more than needed is fine
+
+    def call(counters):
+        return decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_splits=max_splits, counters=counters)
+
+    first = call(counters)
+    assert not counters.any()
+    assert torch.equal(call(counters), first)  # the buffer reused
+    assert not counters.any()
+    assert torch.equal(call(None), first)  # a fresh buffer: bitwise the same
+    assert torch.equal(call(counters[: q.shape[0] * 2]), first)  # exactly as many as needed
+
+
+def test_decode_split_merge_is_bitwise_repeatable(device, many_splits):
+    q, k_cache, v_cache, block_tables, seq_lens = _split_case(device)
+    runs = [decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_splits=9) for _ in range(3)]
+    assert all(torch.equal(run, runs[0]) for run in runs)
+
+
+def test_decode_bad_counters_raise_naming_them(device):
+    q, k_cache, v_cache, block_tables, seq_lens = _split_case(device, lengths=(20, 5))
+    need = q.shape[0] * 2
+
+    def call(counters):
+        decode_attention(q, k_cache, v_cache, block_tables, seq_lens, counters=counters)
+
+    with pytest.raises(TypeError, match="counters must be a torch.Tensor"):
+        call([0] * need)
+    with pytest.raises(TypeError, match="counters must be int32"):
+        call(torch.zeros(need, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="counters has 3 elements but this call needs at least 4"):
+        call(torch.zeros(need - 1, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="counters must be contiguous"):
+        call(torch.zeros(2 * need, dtype=torch.int32, device=device)[::2])
+    elsewhere = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="counters is on"):
+        call(torch.zeros(need, dtype=torch.int32, device=elsewhere))
+
+
+# --------------------------------------------------------------------------------------------
 # store_kv
 # --------------------------------------------------------------------------------------------
 

@@ -79,6 +79,9 @@ def test_validate_predicates(device):
     _assert_stands_for(validate.like_ok, lambda t, ref: validate.check_like("t", t, "ref", ref), (x.clone(), x),
                        vary=(0,))  # the reference is a checked tensor
     _assert_stands_for(validate.rows_and_vector_ok, _check_row_vector_and_x, (x, w))
+    counters = torch.zeros(2, 3, device=device, dtype=torch.int32)
+    _assert_stands_for(validate.counters_ok, validate.check_counters, (counters, 6, x.device),
+                       vary=(0,))  # the count and device come from checked inputs
 
 
 @pytest.mark.parametrize("bias", [False, True])

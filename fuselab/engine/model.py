@@ -9,7 +9,7 @@ build time, so a forward takes only the step's tensors and its metadata.
 Two sets of ops run the same layers: "eager" calls the plain-torch references of
 fuselab.kernels.reference, "fused" calls fuselab's Triton kernels: RMSNorm fused with the residual
 add, SwiGLU on the merged gate/up, RoPE and the KV-cache store in one launch, varlen flash attention
-for prefill, paged flash-decoding for decode, and a two-launch argmax for the greedy pick. The
+for prefill, paged flash-decoding for decode, and a chunked argmax for the greedy pick. The
 projections are cuBLAS GEMMs in both, except that "fused" runs a one-row projection with few
 output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV, and one row's gate/up
 projection with its SwiGLU as one Triton launch (gate_up_swiglu).
@@ -61,8 +61,8 @@ class Ops(NamedTuple):
     gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
     rope_and_store_kv: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
-    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    argmax: Callable  # [rows, vocab] -> [rows]
+    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, counters)
+    argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
 
 
 def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,10 @@ EAGER_OPS = Ops(
     gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
     rope_and_store_kv=reference.rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
-    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: reference.decode_attention(q, kc, vc, bt, sl, scale),
-    argmax=reference.argmax,
+    # The references keep no tickets: the counters are the kernels'.
+    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len, counters: reference.decode_attention(
+        q, kc, vc, bt, sl, scale),
+    argmax=lambda logits, counters: reference.argmax(logits),
 )
 
 FUSED_OPS = Ops(
@@ -92,9 +94,9 @@ FUSED_OPS = Ops(
         q, k, v, cu, max_len, True, scale),
     # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes
     # only, which a captured decode graph needs.
-    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len: kernels.decode_attention(
-        q, kc, vc, bt, sl, scale, max_seq_len=max_len),
-    argmax=kernels.argmax,
+    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len, counters: kernels.decode_attention(
+        q, kc, vc, bt, sl, scale, max_seq_len=max_len, counters=counters),
+    argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
 )
 
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
@@ -148,6 +150,7 @@ class Attention(nn.Module):
         self.max_model_len = max_model_len
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None  # decode attention's tickets, bound with the cache
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial o_proj output in place
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
@@ -168,7 +171,7 @@ class Attention(nn.Module):
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = ops.decode_attention(q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens, self.scale,
-                                     self.max_model_len)
+                                     self.max_model_len, self.counters)
         out = ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
@@ -260,11 +263,21 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = make_linear(config.hidden_size, config.vocab_size, dtype, head_quant, in_major=True)
         self.head_copies_embedding = config.tie_word_embeddings and self.lm_head is not None
+        self.argmax_counters: torch.Tensor | None = None  # the greedy argmax's tickets, bound with the cache
 
-    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        """Give each layer its key and value cache, [num_blocks, block_size, kv_heads, head_dim]."""
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], max_rows: int) -> None:
+        """Give each layer its key and value cache, [num_blocks, block_size, kv_heads, head_dim], and the
+        ticket counters of decode attention and of the greedy argmax for steps of up to max_rows sequences.
+
+        One buffer for every layer's attention (max_rows · kv_heads) and one for the argmax (max_rows): the
+        kernels run one after another on one stream, each leaving its counters at zero. Allocated here, with
+        the cache, so that a CUDA graph captured after holds them by address."""
+        device = k_caches[0].device
+        attention_counters = torch.zeros(max_rows * k_caches[0].shape[2], dtype=torch.int32, device=device)
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+            attn = layer.self_attn
+            attn.k_cache, attn.v_cache, attn.counters = k_cache, v_cache, attention_counters
+        self.argmax_counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's output, residual stream), each [T, hidden], for packed input_ids [T]. The
@@ -285,7 +298,11 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(h, weight) if out is None else torch.matmul(h, weight.t(), out=out)
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.ops.argmax(logits)
+        counters = self.argmax_counters
+        # A warm-up may pick for more rows than a step holds: those calls take a fresh buffer.
+        if counters is not None and logits.shape[0] > counters.shape[0]:
+            counters = None
+        return self.ops.argmax(logits, counters)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,

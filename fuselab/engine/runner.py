@@ -86,8 +86,8 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
                  max_num_seqs: int, cuda_graphs: bool = False) -> None:
         self.model = model
-        # Bound before any graph is captured: a graph holds the cache by address.
-        model.bind_kv_cache(kv_cache.k, kv_cache.v)
+        # Bound before any graph is captured: a graph holds the cache (and the kernels' counters) by address.
+        model.bind_kv_cache(kv_cache.k, kv_cache.v, max_num_seqs)
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size

@@ -90,6 +90,27 @@ def rows_and_vector_ok(x: object, v: object) -> bool:
             and len(v_shape) == 1 and v_shape[0] == shape[-1] and v.device == x.device)
 
 
+def counters_ok(counters: object, n: int, device: torch.device) -> bool:
+    """`check_counters` would pass."""
+    return (isinstance(counters, _Tensor) and counters.dtype is torch.int32 and counters.numel() >= n
+            and counters.device == device and counters.is_contiguous())
+
+
+def check_counters(counters: object, n: int, device: torch.device) -> None:
+    """A caller's ticket counters (the kernels whose last program merges): a contiguous int32 buffer of at
+    least n elements on the inputs' device. That they are all zero is the caller's part (a check would sync)."""
+    if not isinstance(counters, torch.Tensor):
+        raise TypeError(f"counters must be a torch.Tensor or None, got {type(counters).__name__}")
+    if counters.dtype != torch.int32:
+        raise TypeError(f"counters must be int32, got {counters.dtype}")
+    if counters.device != device:
+        raise ValueError(f"counters is on {counters.device} but the inputs are on {device}")
+    if not counters.is_contiguous():
+        raise ValueError(f"counters must be contiguous, got strides {counters.stride()}")
+    if counters.numel() < n:
+        raise ValueError(f"counters has {counters.numel()} elements but this call needs at least {n}")
+
+
 def check_flag(name: str, value: object) -> None:
     """A real bool: a string such as "no" or a tensor would otherwise be taken by its truthiness."""
     if not isinstance(value, bool):

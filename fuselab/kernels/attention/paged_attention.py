@@ -5,12 +5,13 @@ kv_heads, head_dim]; sequence i's token t lives in block block_tables[i, t // bl
 offset t % block_size. Blocks of a sequence need not be adjacent, so memory is handed out a block
 at a time (vLLM's PagedAttention).
 
-`decode_attention` is flash-decoding: one query token per sequence, its context cut into
-`num_splits` parts processed by separate programs, each writing a partial output and its
-log-sum-exp; a second kernel merges the parts (a context in one part, as at large batches, is
-written as the output directly and needs no merge). The query heads that share a key/value head are one
-[group, head_dim] tile, so each key and value is read once for the whole group. Everything sized on
-the host comes from shapes and arguments, never from seq_lens' values: no host sync, no
+`decode_attention` is flash-decoding in one launch: one query token per sequence, its context cut
+into `num_splits` parts processed by separate programs, each writing a partial output and its
+log-sum-exp; the program that finishes last among the splits of a sequence's key/value head (a
+ticket counter tells it which) merges the parts. A context in one part, as at large batches, is
+written as the output directly and takes no ticket. The query heads that share a key/value head are
+one [group, head_dim] tile, so each key and value is read once for the whole group. Everything sized
+on the host comes from shapes and arguments, never from seq_lens' values: no host sync, no
 data-dependent allocation, so a captured CUDA graph replays it with new seq_lens.
 """
 
@@ -34,7 +35,15 @@ from fuselab.kernels.attention.common import (
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._common.validate import FLOAT_DTYPES, INTERPRETED, check_float_tensor, check_like, on_kernel_device
+from fuselab.kernels._common.validate import (
+    FLOAT_DTYPES,
+    INTERPRETED,
+    check_counters,
+    check_float_tensor,
+    check_like,
+    counters_ok,
+    on_kernel_device,
+)
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -63,14 +72,39 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, OUT,
+def _merge_splits(PART_OUT, PART_LSE, OUT, batch, first_head, num_heads, num_splits, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    # Head by head, out = Σ w_s · out_s / Σ w_s with w_s = exp2(lse_s - max lse), over the splits in a
+    # fixed order, so a result does not depend on which split finished last.
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    split_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    out_row = OUT + batch.to(tl.int64) * stride_ob
+    for g in range(GROUP):
+        head = first_head + g
+        row = (batch * num_heads + head).to(tl.int64)
+        # .cg: from L2, where the other splits' stores are, never a stale line of this SM's L1.
+        lse = tl.load(PART_LSE + row * num_splits + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
+        weights = tl.math.exp2(lse - m)
+        parts = tl.load(PART_OUT + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=split_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+        total = tl.sum(weights, 0)
+        out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_row + head.to(tl.int64) * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, COUNTS, OUT,
     stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
     num_blocks, table_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
@@ -130,39 +164,23 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if ONE_SPLIT:
-        # The whole context was this program's: its output is final, and no merge kernel runs.
+        # The whole context was this program's: its output is final, and nothing is merged.
         tl.store(OUT + batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
     else:
         parts = ((batch * num_heads + heads) * num_splits + split).to(tl.int64)
         tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
         tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _decode_merge_kernel(
-    PART_OUT, PART_LSE, OUT, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-    # Grid: (batch · heads,). out = Σ w_s · out_s / Σ w_s with w_s = exp2(lse_s - max lse).
-    row = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-    lse = tl.load(PART_LSE + row * num_splits + offs_s, mask=split_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
-    weights = tl.math.exp2(lse - m)
-    parts = tl.load(PART_OUT + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=split_ok[:, None] & d_ok[None, :], other=0.0)
-    total = tl.sum(weights, 0)
-    out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-    batch = row // num_heads
-    head = row % num_heads
-    tl.store(OUT + batch * stride_ob + head * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+        # One thread takes the ticket (a scalar atomic, its result broadcast): the barrier orders every
+        # thread's share of the partial before it, and the atomic's release makes them visible to the
+        # split that draws the last ticket (acquire). That one merges, and puts the counter back to 0.
+        tl.debug_barrier()
+        counter = COUNTS + batch * tl.num_programs(1) + kv_head
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == num_splits - 1:
+            _merge_splits(PART_OUT, PART_LSE, OUT, batch, kv_head * GROUP, num_heads, num_splits, stride_ob,
+                          stride_oh, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD)
+            tl.store(counter, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,46 +240,42 @@ def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @functools.cache
 def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int, cfg: DecodeConfig,
-                 pdl: bool) -> tuple[dict, dict]:
-    """The split and merge kernels' compile-time arguments and launch options, once per shape and config."""
-    block_d = padded_head_dim(head_dim)
-    split = dict(
-        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                 pdl: bool) -> dict:
+    """The kernel's compile-time arguments and launch options, once per shape and config."""
+    return dict(
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(dtype),
-        ONE_SPLIT=splits == 1, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
+        SPLITS_PAD=max(2, next_power_of_2(splits)), ONE_SPLIT=splits == 1, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
-    # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
-    merge = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS_PAD=max(2, next_power_of_2(splits)), USE_PDL=pdl,
-                 num_warps=4, launch_pdl=pdl)
-    return split, merge
 
 
-def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits) -> torch.Tensor:
+def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
+    """The kernel on checked inputs. counters: as decode_attention's, or None for a fresh zeroed buffer."""
     batch, heads, head_dim = q.shape
     cache_shape = k_cache.shape
     kv_heads = cache_shape[2]
-    split_meta, merge_meta = _decode_meta(heads // kv_heads, head_dim, cache_shape[1], q.dtype, splits,
-                                          decode_config(head_dim), use_pdl(q.device))
+    meta = _decode_meta(heads // kv_heads, head_dim, cache_shape[1], q.dtype, splits, decode_config(head_dim),
+                        use_pdl(q.device))
     out = q.new_empty(batch, heads, head_dim)
     if splits == 1:
-        part_out = part_lse = out  # unused: the split kernel writes the output itself
+        part_out = part_lse = counters = out  # unused: each program writes its output itself
     else:
         # One fp32 buffer: the partial outputs [batch, heads, splits, head_dim], then their log-sum-exps.
         n_parts = batch * heads * splits
         part_out = q.new_empty(n_parts * (head_dim + 1), dtype=torch.float32)
         part_lse = part_out[n_parts * head_dim:]
+        if counters is None:
+            counters = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
     q_stride, kc_stride, vc_stride, out_stride = q.stride(), k_cache.stride(), v_cache.stride(), out.stride()
     table_shape = block_tables.shape
-    launch(_decode_split_kernel, (batch, kv_heads, splits),
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
+    launch(_decode_kernel, (batch, kv_heads, splits),
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, counters, out,
         q_stride[0], q_stride[1], kc_stride[0], kc_stride[1], kc_stride[2],
         vc_stride[0], vc_stride[1], vc_stride[2], block_tables.stride()[0], out_stride[0], out_stride[1],
-        splits, scale * LOG2E, cache_shape[0], table_shape[1] * cache_shape[1], **split_meta,
+        splits, scale * LOG2E, cache_shape[0], table_shape[1] * cache_shape[1], **meta,
     )
-    if splits > 1:
-        launch(_decode_merge_kernel, (batch * heads,),
-            part_out, part_lse, out, out_stride[0], out_stride[1], heads, splits, **merge_meta,
-        )
     return out
 
 
@@ -397,6 +411,7 @@ def decode_attention(
     max_splits: int = 32,
     *,
     check_indices: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, q [batch, heads, head_dim], over its first
     seq_lens[i] cached tokens, found through block_tables [batch, max_blocks] (int32 block ids).
@@ -413,10 +428,19 @@ def decode_attention(
     is then undefined). check_indices=True (default: the FUSELAB_CHECK_INDICES environment
     variable) checks seq_lens and block_tables on the host first, a sync, and raises ValueError
     naming the bad entry.
+
+    counters: the tickets that tell the last split of a sequence's key/value head to merge: an int32
+    buffer on q's device with at least batch · kv_heads elements, all zero; the kernel leaves them at
+    zero, so a caller that launches on one stream may pass one buffer to every call (and a CUDA graph
+    holds it by address). Two launches that may run at once (on two streams) must not share one.
+    Default: a fresh zeroed buffer per call where the context is split.
     """
     if not _decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens):
         _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)  # one by one, naming what is wrong
     batch, heads, head_dim = q.shape
+    device = q.device
+    if counters is not None and not counters_ok(counters, batch * k_cache.shape[2], device):
+        check_counters(counters, batch * k_cache.shape[2], device)
     if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 1:
         raise ValueError(f"max_splits must be a positive int, got {max_splits!r}")
     if max_seq_len is None:
@@ -424,7 +448,6 @@ def decode_attention(
     elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
         raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
     scale = resolve_scale(scale, head_dim)
-    device = q.device
     if indices.requested(check_indices, device):
         indices.check_paged_context(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if batch == 0:
@@ -432,7 +455,8 @@ def decode_attention(
     if q.stride()[2] != 1:
         q = q.contiguous()
     splits = num_splits(batch, k_cache.shape[2], max_seq_len, max_splits, device)
-    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits)
+    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits,
+                         counters)
 
 
 def _check_decode_inputs(q: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object) -> None:
