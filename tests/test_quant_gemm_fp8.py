@@ -7,7 +7,7 @@ import pytest
 import torch
 from kernel_checks import DTYPES, assert_close, kernel_module
 
-from fuselab.kernels import quantize_weight, quantized_linear
+from fuselab.kernels import quantize_weight, quantized_linear, reference_quant
 from fuselab.kernels._common.launch import cdiv
 from fuselab.kernels.quant_pack import packed_words
 from fuselab.kernels.reference_quant import dequantize
@@ -35,9 +35,7 @@ def _byte_order(kp):
 
 def _reference_quantize(x, kp):
     """(codes [M, kp] in the weight's byte order, scales [M]): torch's fp32 division and e4m3 conversion."""
-    xf = x.float().cpu()
-    scales = (xf.abs().amax(dim=1) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = (xf / scales[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    codes, scales = reference_quant.quantize_activations_fp8(x.cpu())
     src = _byte_order(kp)
     out = torch.zeros(x.shape[0], kp, dtype=torch.float8_e4m3fn)
     out[:, src < x.shape[1]] = codes[:, src[src < x.shape[1]]]
@@ -234,6 +232,8 @@ def test_quantized_linear_takes_w8a8_for_fp8_from_its_row_count(device, monkeypa
     assert taken == [path] and y.shape == (1, m, 24)
     if path == "launch_fp8_w8a8":
         assert_close(y[0], _expected(x, weight, bias), torch.bfloat16, scale=4.0)
+    # The engine's eager reference takes x's rounding at the same row counts.
+    assert_close(y, reference_quant.quantized_linear(x.view(1, m, 130), weight, bias), torch.bfloat16, scale=4.0)
 
 
 def test_quantized_linear_checks_its_inputs_before_the_w8a8_path(device):
@@ -265,3 +265,13 @@ def test_the_gpu_rounds_x_as_torch_and_split_k_repeats_itself():
         for _ in range(20):
             assert torch.equal(_run(x, weight, None, (64, 128, 128, split, 8, 4)), first)
         assert_close(first, one, torch.bfloat16)
+    # The rule's pick here splits K (64 rows, 4096 x 4096): its counters' memset and both kernels in a graph.
+    assert qf.w8a8_config(64, 4096, 4096, torch.cuda.get_device_properties(0).multi_processor_count)[3] > 1
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        eager = quantized_linear(x, weight)
+        with torch.cuda.graph(graph, stream=stream):
+            captured = quantized_linear(x, weight)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
