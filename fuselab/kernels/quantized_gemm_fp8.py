@@ -18,7 +18,7 @@ to the MMA as they are loaded, K = BLOCK_K a tl.dot, at the fp8 rate of the tens
   layout Hopper's fp8 wgmma takes from shared memory. Rows past M and N are clamped, not masked, and
   BLOCK_K divides Kp: no load in the loop is masked, so the pipeliner streams every stage.
 - The MMA's own fp8 accumulator keeps fewer bits than fp32; each step's sums are added to an fp32
-  accumulator (max_num_imprecise_acc = BLOCK_K), the promotion torch._scaled_mm makes by default.
+  accumulator (max_num_imprecise_acc = BLOCK_K), as torch._scaled_mm does without use_fast_accum.
 - split-K as quantized_gemm: the splits store fp32 partials, the one drawing the last ticket of the
   tile's counter adds them in split order (deterministic) and writes y; SPLIT_K = 1 writes y directly.
 
@@ -136,7 +136,8 @@ def _w8a8_kernel(
     m_ok = ms < M
     ms = tl.minimum(ms, M - 1)
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = Wq + rows[:, None].to(tl.int64) * KP + ks[None, :]
+    # The packed int32 words read as their bytes: code j of word i is byte 4·i + j (little-endian).
+    w_ptrs = Wq.to(tl.pointer_type(tl.float8e4nv), bitcast=True) + rows[:, None].to(tl.int64) * KP + ks[None, :]
     xt_ptrs = XQ + ms[None, :].to(tl.int64) * KP + ks[:, None]
     # This split's steps: a contiguous run; the splits' runs differ by one step at most.
     n_steps = KP // BLOCK_K
@@ -265,7 +266,7 @@ def launch_fp8_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     codes, scales = quantize_rows(x2, kp)
     pdl = use_pdl(x2.device)
     launch(_w8a8_kernel, grid,
-        codes, scales, weight.data.view(torch.float8_e4m3fn), weight.scales, weight.scales if bias is None else bias,
+        codes, scales, weight.data, weight.scales, weight.scales if bias is None else bias,
         y2, parts, counters, m, n, kp, y2.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         USE_PDL=pdl, DOT_FP32=INTERPRETED, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
