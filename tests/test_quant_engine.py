@@ -104,7 +104,8 @@ def test_a_random_preset_quantizes_the_weights_its_float_model_draws():
 
 # Bounds at about 1.5x what these tiny random models give: next-token entropy ~4.9 nats of ln(256)
 # = 5.5, so nearly flat distributions whose argmax flips easily (a trained model's agree far more).
-@pytest.mark.parametrize("quantization, max_kl, min_top1", [("int8", 5e-4, 0.95), ("fp8", 8e-3, 0.9),
+# fp8 scores the sequence's 64 rows as W8A8 (KL 0.008, 95%; weight-only it gives 0.005, 97.5%).
+@pytest.mark.parametrize("quantization, max_kl, min_top1", [("int8", 5e-4, 0.95), ("fp8", 1.2e-2, 0.9),
                                                              ("int4", 0.11, 0.3), ("int4-g32", 0.09, 0.3)])
 def test_quantized_logits_stay_close_to_the_float_models(checkpoints, quantization, max_kl, min_top1):
     path = checkpoints["llama3"][1]

@@ -7,10 +7,13 @@ mode runs `quantized_linear` (a dequantized copy of the weight per call: slow, b
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, _BITS, values_per_word
+from fuselab.kernels.quant_pack import BLOCK_WORDS, FP8_MAX, QuantizedWeight, _BITS, values_per_word
+from fuselab.kernels.quantized_linear import W8A8_MIN_ROWS
 
 
 def unpack_codes(weight: QuantizedWeight) -> torch.Tensor:
@@ -37,8 +40,22 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float64) -> t
     return values.to(dtype)
 
 
+def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as fp8 W8A8 rounds them: (codes float8_e4m3fn [..., K], scales float32 [...]) with
+    s = max(amax(|row|) / 448, fp32's smallest normal), codes = e4m3(x / s) to nearest even."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (xf / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given."""
-    y = F.linear(x, dequantize(weight, x.dtype), bias)
+    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An fp8 weight at
+    W8A8_MIN_ROWS rows or more multiplies x's rows rounded to e4m3 (in fp32), as the kernels do."""
+    if weight.fmt == "fp8" and math.prod(x.shape[:-1]) >= W8A8_MIN_ROWS:
+        codes, scales = quantize_activations_fp8(x)
+        y = F.linear(codes.float() * scales[..., None], dequantize(weight, torch.float32),
+                     None if bias is None else bias.float()).to(x.dtype)
+    else:
+        y = F.linear(x, dequantize(weight, x.dtype), bias)
     return y if out is None else out.copy_(y)
