@@ -61,16 +61,28 @@ def test_a_row_pitch_wider_than_the_weight(device):
 
 
 def test_the_config_rule_fills_the_sms():
-    # Llama 3 8B and 1B on an H200's 132 SMs: 64-column tiles, split until 4 programs an SM.
-    assert fused.gate_up_config(4096, 14336, 132) == (64, 32, 4, 4)
-    assert fused.gate_up_config(2048, 8192, 132) == (64, 32, 8, 4)
+    # Llama 3 8B and 1B on an H200's 132 SMs: 128-column tiles, split until 2 programs an SM (at most 4).
+    assert fused.gate_up_config(4096, 14336, 132) == (128, 32, 4, 4)
+    assert fused.gate_up_config(2048, 8192, 132) == (128, 32, 4, 4)
     for k, i in ((4096, 14336), (2048, 8192)):
         block_n, _, split_k, _ = fused.gate_up_config(k, i, 132)
-        assert -(-i // block_n) * split_k >= fused.PROGRAMS_PER_SM * 132
+        assert -(-i // block_n) * split_k >= 132
     # Small shapes: blocks shrink to the (power-of-two) shape, no more splits than steps of K.
     assert fused.gate_up_config(17, 3, 132) == (4, 32, 1, 4)
-    assert fused.gate_up_config(100, 96, 132) == (64, 32, 4, 4)
-    assert fused.gate_up_config(4096, 1 << 20, 132) == (64, 32, 1, 4)
+    assert fused.gate_up_config(100, 96, 132) == (128, 32, 4, 4)
+    assert fused.gate_up_config(4096, 1 << 20, 132) == (128, 32, 1, 4)
+    # Without split-K: one program a tile of 64 columns, 8 warps.
+    assert fused.gate_up_config(2048, 8192, 132, max_split_k=1) == (64, 64, 1, 8)
+    assert fused.gate_up_config(17, 3, 132, max_split_k=1) == (4, 32, 1, 8)
+
+
+def test_max_split_k_one_gives_the_same_result(device):
+    x, weight = _randn((1, 300), torch.float32, device), _in_major(300, 70, torch.float32, device)
+    torch.testing.assert_close(fused.gate_up_swiglu(x, weight, max_split_k=1), fused.gate_up_swiglu(x, weight),
+                               rtol=1e-5, atol=1e-5)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="max_split_k"):
+            fused.gate_up_swiglu(x, weight, max_split_k=bad)
 
 
 @pytest.mark.parametrize("config", [(16, 16, 1, 2), (16, 8, 3, 4), (32, 16, 7, 1), (8, 64, 2, 4)])
