@@ -146,7 +146,7 @@ def test_decode_leaves_given_counters_at_zero_for_the_next_call(device, many_spl
     assert not counters.any()
     assert torch.equal(call(counters), first)  # the buffer reused
     assert not counters.any()
-    assert torch.equal(call(None), first)  # a fresh buffer: bitwise the same
+    assert torch.equal(call(None), first)  # no buffer: the merge kernel launched apart, bitwise the same
     assert torch.equal(call(counters[: q.shape[0] * 2]), first)  # exactly as many as needed
 
 

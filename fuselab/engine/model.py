@@ -102,7 +102,11 @@ FUSED_OPS = Ops(
 
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
 # the SwiGLU kernel, not gate_up_swiglu (19.7 against 23.6 µs at the 1B shape on an H200).
-GRAPH_OPS = FUSED_OPS._replace(gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)))
+# So too for decode attention: without tickets its merge is a second launch, sooner done on the GPU.
+GRAPH_OPS = FUSED_OPS._replace(
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
+    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len, counters: kernels.decode_attention(
+        q, kc, vc, bt, sl, scale, max_seq_len=max_len))
 
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
 EAGER_QUANT_OPS = EAGER_OPS._replace(
