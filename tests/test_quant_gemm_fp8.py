@@ -104,7 +104,7 @@ def test_rows_longer_than_a_block_take_two_passes(device, monkeypatch):
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> None:
     """assert_close on the host (the references are CPU float64). On a GPU the fp8 MMA sums a step's
     products in an accumulator narrower than fp32 (Hopper), so fp32 results get bf16's tolerance there."""
-    if actual.is_cuda and dtype == torch.float32:
+    if dtype == torch.float32 and torch.cuda.is_available():  # the kernels run compiled, on the GPU
         dtype = torch.bfloat16
     assert_close(actual.cpu(), expected.cpu(), dtype, scale)
 
