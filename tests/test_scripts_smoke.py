@@ -13,7 +13,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 PYTHON_SCRIPTS = sorted(p.name for p in SCRIPTS.iterdir() if p.is_file() and p.read_text().startswith("#!/usr/bin/env python3"))
-NEEDS_GPU = ("doctor-before-after", "hf-generate-variants", "profile-decode", "tune-decode-step", "tune-kernels")
+NEEDS_GPU = ("doctor-before-after", "hf-generate-variants", "profile-decode", "tune-decode-step", "tune-gate-up-swiglu",
+             "tune-kernels")
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of a GPU script")
 
 
