@@ -89,7 +89,7 @@ def test_linear(device, bias):
     x = torch.randn(1, 16, device=device)
     w = torch.randn(8, 16, device=device)
     b = torch.randn(8, device=device) if bias else None
-    _assert_stands_for(linear_module._inputs_ok, linear_module._check, (x, w, b))
+    _assert_stands_for(linear_module._inputs_ok, linear_module.check_linear_inputs, (x, w, b))
 
 
 def test_gate_up_swiglu(device):

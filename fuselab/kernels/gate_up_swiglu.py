@@ -30,10 +30,10 @@ from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
-    check_float_tensor,
     needs_autograd,
     on_kernel_device,
 )
+from fuselab.kernels.linear import check_linear_inputs
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -208,20 +208,9 @@ def gate_up_swiglu_launch(x: torch.Tensor, weight: torch.Tensor, config: tuple[i
 
 
 def _check(x: object, weight: object) -> None:
-    check_float_tensor("x", x)
-    check_float_tensor("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [2 * intermediate, in_features], got shape {tuple(weight.shape)}")
+    check_linear_inputs(x, weight)
     if weight.shape[0] % 2:
         raise ValueError(f"weight's first dim holds [gate | up] and must be even, got {weight.shape[0]}")
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension, got a 0-d tensor")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x's last dim ({x.shape[-1]}) must equal weight's in_features ({weight.shape[1]})")
-    if x.dtype != weight.dtype:
-        raise TypeError(f"x has dtype {x.dtype} but weight has dtype {weight.dtype}")
-    if x.device != weight.device:
-        raise ValueError(f"x is on {x.device} but weight is on {weight.device}")
     if x.numel() != x.shape[-1]:
         raise ValueError(f"x must hold one row (a batch-1 decode step), got shape {tuple(x.shape)}; "
                          "for more rows use linear and silu_and_mul")

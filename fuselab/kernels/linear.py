@@ -119,7 +119,9 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # --------------------------------------------------------------------------------------------
 
 
-def _check(x: object, weight: object, bias: object) -> None:
+def check_linear_inputs(x: object, weight: object, bias: object = None) -> None:
+    """x [..., K], weight [N, K] and any bias [N]: float tensors of one dtype on the kernels' device (one by one,
+    naming what is wrong)."""
     check_float_tensor("x", x)
     check_float_tensor("weight", weight)
     if weight.dim() != 2:
@@ -142,7 +144,7 @@ def _check(x: object, weight: object, bias: object) -> None:
 
 
 def _inputs_ok(x: object, weight: object, bias: object) -> bool:
-    """`_check` would pass: x, weight and any bias of one float dtype on the kernels' device, shapes that fit."""
+    """`check_linear_inputs` would pass: x, weight and any bias of one float dtype on the kernels' device, shapes that fit."""
     if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
             and (bias is None or isinstance(bias, torch.Tensor))):
         return False
@@ -160,7 +162,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
     """
     if not _inputs_ok(x, weight, bias):
-        _check(x, weight, bias)  # one by one, naming what is wrong
+        check_linear_inputs(x, weight, bias)  # one by one, naming what is wrong
     x_shape, w_shape = x.shape, weight.shape
     numel = x.numel()
     if (numel == 0 or 0 in w_shape or weight.stride()[1] != 1 or numel != x_shape[-1]
