@@ -17,6 +17,7 @@ from fuselab.kernels.attention import paged_attention as paged
 gate_up_module = importlib.import_module("fuselab.kernels.gate_up_swiglu")
 linear_module = importlib.import_module("fuselab.kernels.linear")
 rope_module = importlib.import_module("fuselab.kernels.rope")
+rope_store = importlib.import_module("fuselab.kernels.rope_store")
 
 
 def _variants(value):
@@ -129,14 +130,14 @@ def test_rope_and_store_kv(device):
                 and paged.store_inputs_ok(k, v, k_cache, v_cache, slot_mapping) and k_cache.dtype is k.dtype
                 and v_cache.dtype is v.dtype and v.stride()[-1] == 1)
 
-    _assert_stands_for(ok, rope_module._check_store_inputs,
+    _assert_stands_for(ok, rope_store._check_store_inputs,
                        (q, k, v, positions, cos_sin, k_cache, v_cache, slots, "rotate_half"))
     # The decode layout's predicate, which also picks the lean kernel: views of one projection too.
-    _assert_stands_for(rope_module._decode_layout_ok, rope_module._check_store_inputs,
+    _assert_stands_for(rope_store._decode_layout_ok, rope_store._check_store_inputs,
                        (q, k, v, positions, cos_sin, k_cache, v_cache, slots, "rotate_half"))
     qkv = torch.randn(3, 8, 16, device=device)
     views = (qkv[:, :4], qkv[:, 4:6], qkv[:, 6:])
-    assert rope_module._decode_layout_ok(*views, positions, cos_sin, k_cache, v_cache, slots, "interleaved")
+    assert rope_store._decode_layout_ok(*views, positions, cos_sin, k_cache, v_cache, slots, "interleaved")
 
 
 def test_decode_attention(device):

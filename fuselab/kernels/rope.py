@@ -10,10 +10,7 @@ That keeps q and k safe to save for backward elsewhere (the projections that pro
 Backward rotates the incoming gradients by the opposite angle: the transpose of a rotation.
 Positions outside [0, max_pos) of the cache give NaN rows instead of reading out of bounds.
 
-`rope_and_store_kv` is the same launch with one more job, for inference: each program also writes
-its token's rotated keys and its values into a paged KV cache (see paged_attention.py), so a layer
-launches one kernel where apply_rope then store_kv launch two. A constexpr flag turns the store on;
-with it off, apply_rope's kernel compiles as it always has.
+`rope_and_store_kv` (rope_store.py) is the same kernel with the KV-cache store turned on.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import FLOAT_DTYPES, check_float_tensor, needs_autograd, on_kernel_device
-from fuselab.kernels.attention.paged_attention import check_store_inputs, store_inputs_ok
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
@@ -171,48 +167,6 @@ def _rope_kernel(
         )
 
 
-@triton.jit
-def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
-    k_cache_ptr, v_cache_ptr, q_stride_t, k_stride_t, v_stride_t, max_pos, num_slots,
-    N_Q_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_V_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # _rope_kernel with the store, for the layout a decode step has (_decode_layout_ok): heads HEAD_DIM
-    # apart in q, k and v, dense outputs, caches, positions, slots and cos/sin table. Every stride but
-    # the tokens' follows from the constexprs, so a launch passes 15 arguments instead of 39 (each
-    # costs host time in the launcher). A dense cache's slot s starts at element s · kv_heads · head_dim.
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_HALF)[None, :]
-    in_cache = (pos >= 0) & (pos < max_pos)
-    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * (2 * HALF)
-    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
-    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
-    cos = tl.where(in_cache, cos, float("nan"))
-    sin = tl.where(in_cache, sin, float("nan"))
-    _rotate_heads(
-        q_ptr + token * q_stride_t, HEAD_DIM, q_out_ptr + token * (N_Q_HEADS * HEAD_DIM), HEAD_DIM,
-        N_Q_HEADS, cos, sin, q_out_ptr, 0, False,
-        HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
-    )
-    # Slot -1 (padding) or one outside the cache: rotated into the outputs, nothing stored.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    stored = (slot >= 0) & (slot < num_slots)
-    n_cache_heads = tl.where(stored, N_KV_HEADS, 0)
-    cache_offset = tl.where(stored, slot, 0) * (N_KV_HEADS * HEAD_DIM)
-    _rotate_heads(
-        k_ptr + token * k_stride_t, HEAD_DIM, k_out_ptr + token * (N_KV_HEADS * HEAD_DIM), HEAD_DIM,
-        N_KV_HEADS, cos, sin, k_cache_ptr + cache_offset, HEAD_DIM, n_cache_heads,
-        HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, True,
-    )
-    _copy_heads(v_ptr + token * v_stride_t, HEAD_DIM, v_cache_ptr + cache_offset, HEAD_DIM, n_cache_heads,
-                BLOCK_V_HEADS, HEAD_DIM, BLOCK_D)
-
-
 def _token_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a [B, S, H, D] or [T, H, D] tensor."""
     stride = t.stride()
@@ -296,34 +250,6 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
     return q_out, k_out
 
 
-@functools.cache
-def _rope_store_meta(head_dim: int, rotary_dim: int, q_heads: int, kv_heads: int, interleaved: bool,
-                     many_tokens: bool, pdl: bool) -> dict:
-    """_rope_store_kernel's compile-time arguments and launch options, once per shape."""
-    meta = _rope_meta(head_dim, rotary_dim, q_heads, kv_heads, interleaved, False, kv_heads, 1, many_tokens)
-    return dict(N_Q_HEADS=q_heads, N_KV_HEADS=kv_heads, HALF=meta["HALF"], BLOCK_HALF=meta["BLOCK_HALF"],
-                BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"], BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim,
-                BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved, BLOCK_V_HEADS=meta["BLOCK_V_HEADS"],
-                BLOCK_D=meta["BLOCK_D"], USE_PDL=pdl, launch_pdl=pdl)
-
-
-def _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleaved: bool):
-    """rope_and_store_kv's launch for inputs of the decode layout (_decode_layout_ok)."""
-    tokens, q_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    q_out, k_out = q.new_empty(tokens, q_heads, head_dim), k.new_empty(tokens, kv_heads, head_dim)
-    if tokens == 0:
-        return q_out, k_out
-    cache_shape, cos_sin_shape = k_cache.shape, cos_sin.shape
-    pdl = use_pdl(q.device)
-    launch(_rope_store_kernel, (tokens,),
-        q, k, v, q_out, k_out, positions, cos_sin, slot_mapping, k_cache, v_cache,
-        q.stride()[0], k.stride()[0], v.stride()[0], cos_sin_shape[0], cache_shape[0] * cache_shape[1],
-        **_rope_store_meta(head_dim, cos_sin_shape[1], q_heads, kv_heads, interleaved, tokens >= _MANY_TOKENS, pdl),
-    )
-    return q_out, k_out
-
-
 # Integer position dtypes the one-pass check takes; any other integer dtype goes through the full checks.
 _POSITION_DTYPES = (torch.int64, torch.int32)
 
@@ -345,45 +271,6 @@ def _inputs_ok(q: object, k: object, positions: object, cos_sin: object, layout:
             and len(cos_sin_shape) == 2 and cos_sin_shape[1] % 2 == 0 and 0 < cos_sin_shape[1] <= q_shape[-1]
             and cos_sin.stride()[1] == 1
             and k.device == device and positions.device == device and cos_sin.device == device)
-
-
-_Tensor = torch.Tensor
-
-
-def _decode_layout_ok(q: object, k: object, v: object, positions: object, cos_sin: object, k_cache: object,
-                      v_cache: object, slot_mapping: object, layout: object) -> bool:
-    """rope_and_store_kv's checks would pass and the inputs have a decode step's layout, which
-    _rope_store_kernel takes: q, k, v [tokens, heads, head_dim] with heads head_dim apart (views of one
-    projection are), dense caches, 1-D dense positions and slots, a dense cos/sin table. One pass."""
-    if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)
-            and isinstance(positions, _Tensor) and isinstance(cos_sin, _Tensor) and isinstance(k_cache, _Tensor)
-            and isinstance(v_cache, _Tensor) and isinstance(slot_mapping, _Tensor)):
-        return False
-    q_shape, k_shape, v_shape, cache_shape, cos_sin_shape = q.shape, k.shape, v.shape, k_cache.shape, cos_sin.shape
-    if len(q_shape) != 3 or len(k_shape) != 3 or len(v_shape) != 3 or len(cache_shape) != 4:
-        return False
-    tokens, _, head_dim = q_shape
-    kv_heads, block_size, dtype, device = k_shape[1], cache_shape[1], k.dtype, q.get_device()
-    q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
-    return (layout in LAYOUTS and q.dtype in FLOAT_DTYPES and dtype in FLOAT_DTYPES and on_kernel_device(q)
-            and v.dtype is dtype and k_cache.dtype is dtype and v_cache.dtype is dtype
-            and cos_sin.dtype in FLOAT_DTYPES and positions.dtype in _POSITION_DTYPES
-            and slot_mapping.dtype is torch.int32
-            and k_shape[0] == tokens and v_shape[0] == tokens and k_shape[2] == head_dim and v_shape[2] == head_dim
-            and v_shape[1] == kv_heads and cache_shape[2] == kv_heads and cache_shape[3] == head_dim
-            and v_cache.shape == cache_shape and block_size >= 1 and not block_size & (block_size - 1)
-            and q_stride[2] == 1 and k_stride[2] == 1 and v_stride[2] == 1
-            and q_stride[1] == head_dim and k_stride[1] == head_dim and v_stride[1] == head_dim
-            and positions.shape == (tokens,) and slot_mapping.shape == (tokens,)
-            and positions.is_contiguous() and slot_mapping.is_contiguous()
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()
-            and len(cos_sin_shape) == 2 and cos_sin_shape[1] % 2 == 0 and 0 < cos_sin_shape[1] <= head_dim
-            and on_kernel_device(k) and on_kernel_device(v) and on_kernel_device(positions)
-            and on_kernel_device(cos_sin) and on_kernel_device(k_cache) and on_kernel_device(v_cache)
-            and on_kernel_device(slot_mapping)  # the device type, then (for CUDA) which device
-            and k.get_device() == device and v.get_device() == device and positions.get_device() == device
-            and cos_sin.get_device() == device and k_cache.get_device() == device
-            and v_cache.get_device() == device and slot_mapping.get_device() == device)
 
 
 def _check_inputs(q, k, positions, cos_sin, layout) -> None:
@@ -414,19 +301,6 @@ def _check_inputs(q, k, positions, cos_sin, layout) -> None:
     for name, t in (("k", k), ("positions", positions), ("cos_sin", cos_sin)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-
-
-def _check_store_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout) -> None:
-    """rope_and_store_kv's checks, one by one."""
-    _check_inputs(q, k, positions, cos_sin, layout)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [tokens, heads, head_dim] to store into the cache, got shape {tuple(q.shape)}")
-    check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
-    for name, t, cache_name, cache in (("k", k, "k_cache", k_cache), ("v", v, "v_cache", v_cache)):
-        if cache.dtype != t.dtype:
-            raise TypeError(f"{cache_name} has dtype {cache.dtype} but {name} has dtype {t.dtype}")
-    if v.stride(-1) != 1:
-        raise ValueError("v must have a contiguous last (head_dim) dimension; other strides may be anything")
 
 
 class RopeFunction(torch.autograd.Function):
@@ -472,52 +346,6 @@ def apply_rope(
     if needs_autograd(q, k):
         return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
     return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
-
-
-def rope_and_store_kv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    layout: str = "rotate_half",
-    *,
-    check_indices: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rope` and `store_kv` in one launch: rotates q [tokens, q_heads, head_dim] and
-    k [tokens, kv_heads, head_dim] as apply_rope does and returns the new (q, k), while writing
-    token t's rotated k and its v (unchanged) into slot slot_mapping[t] = block · block_size + offset
-    of k_cache and v_cache [num_blocks, block_size, kv_heads, head_dim], in place; slot -1 (padding)
-    writes nothing, and so does any other slot outside the cache. q, k and v may be strided views
-    of one fused projection (unit last stride). The caches must have k's and v's dtype.
-    check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
-    and slot_mapping on the host first, as apply_rope and store_kv do.
-
-    Inference only: it writes the cache and records no gradients, so it refuses inputs that
-    require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
-    """
-    decode_layout = _decode_layout_ok(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout)
-    if not decode_layout and not (
-            _inputs_ok(q, k, positions, cos_sin, layout) and q.dim() == 3
-            and store_inputs_ok(k, v, k_cache, v_cache, slot_mapping) and k_cache.dtype is k.dtype
-            and v_cache.dtype is v.dtype and v.stride()[-1] == 1):
-        _check_store_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout)
-    if needs_autograd(q, k, v):
-        raise RuntimeError(
-            "rope_and_store_kv is not differentiable (it is for inference): q, k or v requires grad; "
-            "call it under torch.no_grad() or torch.inference_mode(), or use apply_rope and store_kv"
-        )
-    if indices.requested(check_indices, q.device):
-        indices.check_positions(positions, cos_sin.shape[0])
-        indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
-    if decode_layout:
-        return _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                  layout == "interleaved")
-    return _launch_rope(q, k, positions, cos_sin, layout == "interleaved", inverse=False,
-                        store=(v, k_cache, v_cache, slot_mapping))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
