@@ -115,6 +115,11 @@ EAGER_QUANT_OPS = EAGER_OPS._replace(
 FUSED_QUANT_OPS = FUSED_OPS._replace(
     linear=kernels.quantized_linear,
     gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
+GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(decode_attention=GRAPH_OPS.decode_attention)
+
+# Each mode's ops, without and with a quantization scheme.
+_MODE_OPS = {"eager": (EAGER_OPS, EAGER_QUANT_OPS), "fused": (FUSED_OPS, FUSED_QUANT_OPS),
+             "graphs": (GRAPH_OPS, GRAPH_QUANT_OPS)}
 
 
 class RMSNorm(nn.Module):
@@ -321,11 +326,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     projections; with `tensor_parallel`, the rank's shard of the model of `config`): built on the
     meta device, so no memory is written twice (the weights come from a checkpoint or a random
     init next)."""
-    fused = mode in ("fused", "graphs")
-    if quant is None:
-        ops = {"fused": FUSED_OPS, "graphs": GRAPH_OPS}.get(mode, EAGER_OPS)
-    else:
-        ops = FUSED_QUANT_OPS if fused else EAGER_QUANT_OPS
+    ops = _MODE_OPS[mode][quant is not None]
     cos_sin = kernels.rope_cos_sin(max_model_len, config.head_dim, config.rope_theta, config.rope_scaling,
                                    device=device)
     if tensor_parallel is not None:
