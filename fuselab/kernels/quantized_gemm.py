@@ -17,7 +17,7 @@ of its block, so the slice is x gathered in runs of 16: the sum over K does not 
   kernel: each split stores its fp32 partial tile to a workspace, then takes a ticket from the
   tile's counter; the split drawing the last one adds the partials in split order (the same sum
   whichever split ends last: deterministic), applies scales and bias, stores y and sets the counter
-  back to zero. SPLIT_K = 1 stores y directly, with no workspace.
+  back to zero (`_common.split_k.reduce_splits`). SPLIT_K = 1 stores y directly, with no workspace.
 
 `gemm_config` picks the tile and the split whose busiest SM reads the fewest bytes: its programs'
 slices of x (which every tile of W reads again, from L2) and of W, the partials a reducing split
@@ -34,6 +34,7 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.split_k import reduce_splits
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
@@ -165,22 +166,9 @@ def _gemm_kernel(
         ok = row_ok[:, None] & m_ok[None, :]
         parts = (WS + tile.to(tl.int64) * (SPLIT_K * TILE)
                  + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-        tl.store(parts + split * TILE, acc, mask=ok)
-        # One thread takes the ticket (Triton issues a scalar atomic from one thread and broadcasts
-        # its result): the barrier orders every thread's share of the partial before it, and the
-        # atomic's release makes them visible to the split that draws the last ticket (acquire).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                if i == split:
-                    total += acc  # this split's own partial, still in registers
-                else:
-                    # .cg: from L2, where the other splits' stores are, never a stale line of this SM's L1.
-                    total += tl.load(parts + i * TILE, mask=ok, other=0.0, cache_modifier=".cg")
+        last, total = reduce_splits(acc, parts, ok, COUNTS + tile, split, SPLIT_K, TILE)
+        if last:
             _store_y(total, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
-            tl.store(COUNTS + tile, 0)
 
 
 # --------------------------------------------------------------------------------------------

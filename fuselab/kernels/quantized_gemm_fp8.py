@@ -38,6 +38,7 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
+from fuselab.kernels._common.split_k import reduce_splits
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_pack import FP8_MAX, QuantizedWeight
 
@@ -164,20 +165,9 @@ def _w8a8_kernel(
         ok = row_ok[:, None] & m_ok[None, :]
         parts = (PARTS + tile.to(tl.int64) * (SPLIT_K * TILE)
                  + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-        tl.store(parts + split * TILE, acc, mask=ok)
-        # The barrier orders every thread's share of the partial before the (one-thread) ticket; its
-        # release makes them visible to the split that draws the last ticket (acquire).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):
-                if i == split:
-                    total += acc
-                else:
-                    total += tl.load(parts + i * TILE, mask=ok, other=0.0, cache_modifier=".cg")  # from L2
+        last, total = reduce_splits(acc, parts, ok, COUNTS + tile, split, SPLIT_K, TILE)
+        if last:
             _store_y(total, WS, XS, B, Y, rows, row_ok, ms, m_ok, stride_ym, HAS_BIAS)
-            tl.store(COUNTS + tile, 0)
 
 
 # --------------------------------------------------------------------------------------------

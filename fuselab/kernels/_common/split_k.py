@@ -1,0 +1,38 @@
+"""Split-K's reduction inside the kernel that computes the splits, by the split that ends last.
+
+SPLIT_K programs share a tile of outputs, each summing a contiguous run of K. Each stores its fp32
+partial to a workspace and takes a ticket from the tile's counter (int32, zero before the launch);
+the one drawing the last ticket adds the partials in split order (the same sum whichever split ends
+last: deterministic) and sets the counter back to zero, so a buffer of counters can serve the next
+launch on the same stream. The quantized GEMMs use it (quantized_gemm, quantized_gemm_fp8).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def reduce_splits(acc, parts, ok, counter, split, SPLIT_K: tl.constexpr, SPLIT_STRIDE: tl.constexpr):
+    """(whether this split drew the last ticket, the sum of every split's `acc` when it did).
+
+    parts: pointers, shaped like acc, to split 0's partial of this tile; split i's is SPLIT_STRIDE
+    elements further. ok: the elements kept (the others are neither written nor read). counter:
+    this tile's ticket counter."""
+    tl.store(parts + split * SPLIT_STRIDE, acc, mask=ok)
+    # One thread takes the ticket (Triton issues a scalar atomic from one thread and broadcasts its
+    # result): the barrier orders every thread's share of the partial before it, and the atomic's
+    # release makes them visible to the split that draws the last ticket (acquire).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = ticket == SPLIT_K - 1
+    total = acc
+    if last:
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for i in tl.static_range(SPLIT_K):
+            if i == split:
+                total += acc  # this split's own partial, still in registers
+            else:
+                # .cg: from L2, where the other splits' stores are, never a stale line of this SM's L1.
+                total += tl.load(parts + i * SPLIT_STRIDE, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(counter, 0)
+    return last, total
