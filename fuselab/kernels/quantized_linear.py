@@ -147,8 +147,8 @@ def _dequantize_kernel(
 GEMV_MAX_ROWS = 1
 FUSED_MAX_ROWS = 256
 # Rows of x from which an fp8 weight runs as W8A8 (the activations quantized too), at every larger M:
-# its tile rule covers prefill, where the fp8 MMA's rate is twice bf16's. A first estimate, to be set
-# from a GPU measurement of the crossover against the W8A16 GEMM (scripts/tune-quant-gemv).
+# its tile rule covers prefill, where the fp8 MMA's rate is twice bf16's. From 16 rows it beat the W8A16
+# GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv; docs/quantization.md); fewer, not timed.
 W8A8_MIN_ROWS = 16
 # The GEMV's tile: 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM:
 # within a few percent of the fastest of 18 configurations at every Llama 3 8B projection and format.
