@@ -160,13 +160,9 @@ def _gemm_kernel(
     if SPLIT_K == 1:
         _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
     else:
-        # Partials [tiles, SPLIT_K, BLOCK_N, BLOCK_M]; only the rows and columns y keeps are written and read.
-        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        # Only the rows and columns y keeps are written and read.
         tile = pid_n * tl.num_programs(0) + pid_m
-        ok = row_ok[:, None] & m_ok[None, :]
-        parts = (WS + tile.to(tl.int64) * (SPLIT_K * TILE)
-                 + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-        last, total = reduce_splits(acc, parts, ok, COUNTS + tile, split, SPLIT_K, TILE)
+        last, total = reduce_splits(acc, WS, COUNTS, tile, row_ok[:, None] & m_ok[None, :], split, SPLIT_K)
         if last:
             _store_y(total, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
 

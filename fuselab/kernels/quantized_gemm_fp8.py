@@ -159,13 +159,9 @@ def _w8a8_kernel(
     if SPLIT_K == 1:
         _store_y(acc, WS, XS, B, Y, rows, row_ok, ms, m_ok, stride_ym, HAS_BIAS)
     else:
-        # Partials [tiles, SPLIT_K, BLOCK_N, BLOCK_M]; only the rows and columns y keeps are written and read.
-        TILE: tl.constexpr = BLOCK_N * BLOCK_M
+        # Only the rows and columns y keeps are written and read.
         tile = pid_n * tl.num_programs(0) + pid_m
-        ok = row_ok[:, None] & m_ok[None, :]
-        parts = (PARTS + tile.to(tl.int64) * (SPLIT_K * TILE)
-                 + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :])
-        last, total = reduce_splits(acc, parts, ok, COUNTS + tile, split, SPLIT_K, TILE)
+        last, total = reduce_splits(acc, PARTS, COUNTS, tile, row_ok[:, None] & m_ok[None, :], split, SPLIT_K)
         if last:
             _store_y(total, WS, XS, B, Y, rows, row_ok, ms, m_ok, stride_ym, HAS_BIAS)
 

@@ -12,18 +12,19 @@ import triton.language as tl
 
 
 @triton.jit
-def reduce_splits(acc, parts, ok, counter, split, SPLIT_K: tl.constexpr, SPLIT_STRIDE: tl.constexpr):
-    """(whether this split drew the last ticket, the sum of every split's `acc` when it did).
-
-    parts: pointers, shaped like acc, to split 0's partial of this tile; split i's is SPLIT_STRIDE
-    elements further. ok: the elements kept (the others are neither written nor read). counter:
-    this tile's ticket counter."""
-    tl.store(parts + split * SPLIT_STRIDE, acc, mask=ok)
+def reduce_splits(acc, WS, COUNTS, tile, ok, split, SPLIT_K: tl.constexpr):
+    """(whether this split drew the last ticket of its tile, the sum of every split's `acc` when it did)
+    for a 2-D tile `acc` [R, C] of fp32 sums. WS: the workspace, [tiles, SPLIT_K, R, C] fp32; COUNTS:
+    one int32 counter a tile; ok: the elements kept (the others are neither written nor read)."""
+    TILE: tl.constexpr = acc.shape[0] * acc.shape[1]
+    parts = (WS + tile.to(tl.int64) * (SPLIT_K * TILE)
+             + tl.arange(0, acc.shape[0])[:, None] * acc.shape[1] + tl.arange(0, acc.shape[1])[None, :])
+    tl.store(parts + split * TILE, acc, mask=ok)
     # One thread takes the ticket (Triton issues a scalar atomic from one thread and broadcasts its
     # result): the barrier orders every thread's share of the partial before it, and the atomic's
     # release makes them visible to the split that draws the last ticket (acquire).
     tl.debug_barrier()
-    ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel", scope="gpu")
     last = ticket == SPLIT_K - 1
     total = acc
     if last:
@@ -33,6 +34,6 @@ def reduce_splits(acc, parts, ok, counter, split, SPLIT_K: tl.constexpr, SPLIT_S
                 total += acc  # this split's own partial, still in registers
             else:
                 # .cg: from L2, where the other splits' stores are, never a stale line of this SM's L1.
-                total += tl.load(parts + i * SPLIT_STRIDE, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(counter, 0)
+                total += tl.load(parts + i * TILE, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(COUNTS + tile, 0)
     return last, total
