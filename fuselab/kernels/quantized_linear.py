@@ -11,8 +11,9 @@ dequantized in registers, never written back. The paths, by rows of x (M):
   as the left operand (y^T = W · x^T, so a few rows of x fill the MMA's narrow side), split-K
   where the tiles of W alone would leave SMs idle.
 - larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
-- fp8 from W8A8_MIN_ROWS rows, prefill included: W8A8 (quantized_gemm_fp8), x quantized per row
-  to e4m3 and an fp8 × fp8 tensor-core GEMM; below, fp8 stays weight-only as the other formats.
+- int8 and fp8 from W8A8_MIN_ROWS rows, prefill included: W8A8 (quantized_gemm_w8a8), x quantized
+  per row to the weight's format and an 8-bit × 8-bit tensor-core GEMM (int8 × int8 summed in int32,
+  fp8 × fp8 in fp32); below, they stay weight-only as int4 does everywhere.
 
 Dequantization without int-to-float conversions (quant_codes: a code OR-ed into the mantissa of
 2^23 is the float 2^23 + code, one FFMA gives q exactly). In the GEMV, int4 group scales multiply
@@ -36,7 +37,7 @@ from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
 from fuselab.kernels.quant_pack import (
     BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
 from fuselab.kernels.quantized_gemm import launch_gemm
-from fuselab.kernels.quantized_gemm_fp8 import launch_fp8_w8a8
+from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -146,9 +147,10 @@ def _dequantize_kernel(
 # once a product has that many rows to reuse it). scripts/tune-quant-gemv measures the crossovers.
 GEMV_MAX_ROWS = 1
 FUSED_MAX_ROWS = 256
-# Rows of x from which an fp8 weight runs as W8A8 (the activations quantized too), at every larger M:
-# its tile rule covers prefill, where the fp8 MMA's rate is twice bf16's. From 16 rows it beat the W8A16
-# GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv; docs/quantization.md); fewer, not timed.
+# Rows of x from which an int8 or fp8 weight (W8A8_FORMATS) runs as W8A8 (the activations quantized too),
+# at every larger M: its tile rule covers prefill, where the 8-bit MMA's rate is twice bf16's. From 16
+# rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
+# docs/quantization.md); fewer, not timed. int8 takes the same kernel and rule.
 W8A8_MIN_ROWS = 16
 # The GEMV's tile: 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM:
 # within a few percent of the fastest of 18 configurations at every Llama 3 8B projection and format.
@@ -246,8 +248,9 @@ def _check(x: object, weight: object, bias: object, out: object) -> None:
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
-    written into `out` when given. An fp8 weight at W8A8_MIN_ROWS rows or more multiplies x rounded
-    to e4m3 per row (W8A8). Inference only: no gradient flows to the quantized weight."""
+    written into `out` when given. An int8 or fp8 weight at W8A8_MIN_ROWS rows or more multiplies x
+    rounded per row to its format (W8A8: int8 codes, or e4m3). Inference only: no gradient flows to
+    the quantized weight."""
     _check(x, weight, bias, out)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -262,8 +265,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         bias = bias.contiguous()
     if m <= GEMV_MAX_ROWS:
         _launch_gemv(x2, weight, bias, y2)
-    elif weight.fmt == "fp8" and m >= W8A8_MIN_ROWS:
-        launch_fp8_w8a8(x2, weight, bias, y2)
+    elif weight.fmt in W8A8_FORMATS and m >= W8A8_MIN_ROWS:
+        launch_w8a8(x2, weight, bias, y2)
     elif m <= FUSED_MAX_ROWS:
         launch_gemm(x2, weight, bias, y2)
     else:

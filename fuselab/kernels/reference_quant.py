@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fuselab.kernels.quant_pack import BLOCK_WORDS, FP8_MAX, QuantizedWeight, _BITS, values_per_word
-from fuselab.kernels.quantized_linear import W8A8_MIN_ROWS
+from fuselab.kernels.quantized_linear import W8A8_FORMATS, W8A8_MIN_ROWS
 
 
 def unpack_codes(weight: QuantizedWeight) -> torch.Tensor:
@@ -40,20 +40,24 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float64) -> t
     return values.to(dtype)
 
 
-def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x's rows as fp8 W8A8 rounds them: (codes float8_e4m3fn [..., K], scales float32 [...]) with
-    s = max(amax(|row|) / 448, fp32's smallest normal), codes = e4m3(x / s) to nearest even."""
+def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x's rows as W8A8 rounds them for a weight of `fmt`: (codes [..., K], scales float32 [...]).
+    fp8: s = max(amax(|row|) / 448, fp32's smallest normal), codes = e4m3(x / s) to nearest even
+    (float8_e4m3fn); int8: s = max(amax / 127, the same floor), codes = round(x / s) to nearest even
+    within [-127, 127] (int8)."""
     xf = x.float()
-    scales = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    return (xf / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+    code_max = 127.0 if fmt == "int8" else FP8_MAX
+    scales = (xf.abs().amax(dim=-1) / code_max).clamp(min=torch.finfo(torch.float32).tiny)
+    scaled = (xf / scales[..., None]).clamp(-code_max, code_max)
+    return (scaled.round().to(torch.int8) if fmt == "int8" else scaled.to(torch.float8_e4m3fn)), scales
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An fp8 weight at
-    W8A8_MIN_ROWS rows or more multiplies x's rows rounded to e4m3 (in fp32), as the kernels do."""
-    if weight.fmt == "fp8" and math.prod(x.shape[:-1]) >= W8A8_MIN_ROWS:
-        codes, scales = quantize_activations_fp8(x)
+    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An int8 or fp8 weight at
+    W8A8_MIN_ROWS rows or more multiplies x's rows rounded to its format (in fp32), as the kernels do."""
+    if weight.fmt in W8A8_FORMATS and math.prod(x.shape[:-1]) >= W8A8_MIN_ROWS:
+        codes, scales = quantize_activations(x, weight.fmt)
         y = F.linear(codes.float() * scales[..., None], dequantize(weight, torch.float32),
                      None if bias is None else bias.float()).to(x.dtype)
     else:

@@ -4,7 +4,7 @@ SPLIT_K programs share a tile of outputs, each summing a contiguous run of K. Ea
 partial to a workspace and takes a ticket from the tile's counter (int32, zero before the launch);
 the one drawing the last ticket adds the partials in split order (the same sum whichever split ends
 last: deterministic) and sets the counter back to zero, so a buffer of counters can serve the next
-launch on the same stream. The quantized GEMMs use it (quantized_gemm, quantized_gemm_fp8).
+launch on the same stream. The quantized GEMMs use it (quantized_gemm, quantized_gemm_w8a8).
 """
 
 import triton

@@ -1,31 +1,41 @@
-"""y = x · Wᵀ (+ b) for an fp8 weight (quant_pack) as W8A8: x quantized per row to e4m3, then one
-fp8 × fp8 tensor-core GEMM with fp32 accumulation (quantized_linear's fp8 path from W8A8_MIN_ROWS rows).
+"""y = x · Wᵀ (+ b) for an int8 or fp8 weight (quant_pack) as W8A8: x quantized per row to the weight's
+format, then one 8-bit × 8-bit tensor-core GEMM (quantized_linear's 8-bit path from W8A8_MIN_ROWS rows).
 
 Why: the W8A16 kernel (quantized_gemm) converts each code to bf16 in registers and sends it through
-shared memory to the MMA, one code position per tl.dot. Here both operands are fp8 in memory and go
-to the MMA as they are loaded, K = BLOCK_K a tl.dot, at the fp8 rate of the tensor cores.
+shared memory to the MMA, one code position per tl.dot. Here both operands are 8-bit in memory and
+go to the MMA as they are loaded, K = BLOCK_K a tl.dot, at the tensor cores' 8-bit rate (int8 and
+fp8 MMAs both run at twice bf16's).
 
-- The packed fp8 weight, viewed as bytes, is a plain [N, Kp] float8 matrix (Kp = 4 · words a row)
-  whose column b = 64·blk + 4·i + j holds element 64·blk + 16·j + i of the row (code j of word i).
-  `_quantize_rows_kernel` writes x's codes in that order, so the product is an ordinary GEMM over
-  the Kp columns; padding columns are zeros on both sides.
-- x: per row s_m = max(amax(|x_m|) / 448, FP32_TINY) (no division by zero on an all-zero row, whose
-  codes are then zeros), codes = e4m3(x / s_m), round to nearest even. The weight keeps its
-  per-channel fp32 scales: y[m, n] = acc[n, m] · w_scale[n] · s_m (+ bias[n]), in x's dtype.
-  Activation rounding adds at most 2^-4 · |x_k| (2^-10 · s_m below e4m3's normal range) per element.
+- The packed weight, viewed as bytes, is a plain [N, Kp] 8-bit matrix (Kp = 4 · words a row) whose
+  column b = 64·blk + 4·i + j holds element 64·blk + 16·j + i of the row (code j of word i), for
+  both formats. `_quantize_rows_kernel` writes x's codes in that order, so the product is an
+  ordinary GEMM over the Kp columns; padding columns are zeros on both sides (int8's pad code 128
+  is q = 0).
+- x: per row s_m = max(amax(|x_m|) / c, FP32_TINY) (no division by zero on an all-zero row, whose
+  codes are then zeros), c = 448 for fp8 (codes = e4m3(x / s_m), round to nearest even) and 127
+  for int8 (codes = x / s_m rounded to the nearest integer, ties to even, within [-127, 127]). The
+  weight keeps its per-channel fp32 scales: y[m, n] = acc[n, m] · w_scale[n] · s_m (+ bias[n]), in
+  x's dtype. Activation rounding adds at most 2^-4 · |x_k| (2^-10 · s_m below e4m3's normal range)
+  per element for fp8, s_m / 2 = amax / 254 for int8.
+- fp8: the weight's bytes are e4m3 codes, multiplied as loaded. The MMA's own fp8 accumulator keeps
+  fewer bits than fp32; each step's sums are added to an fp32 accumulator (max_num_imprecise_acc =
+  BLOCK_K), as torch._scaled_mm does without use_fast_accum.
+- int8: a stored byte is q + 128; one XOR by 0x80 a byte makes it q as a two's complement int8
+  ((q + 128) ^ 0x80 == q), the only op between the load and int8 × int8 tl.dot, which accumulates in
+  int32: exact (|sum| <= 127² · K stays below 2^31 up to K = 133143). The int32 sums become fp32
+  once, after the loop, before the scales and the split-K partials.
 - Swap-AB as quantized_gemm: a program owns BLOCK_N rows of W (the MMA's wide side) by BLOCK_M rows
   of x. Both tiles are K-major (W [BLOCK_N, BLOCK_K], x^T [BLOCK_K, BLOCK_M] with K contiguous), the
-  layout Hopper's fp8 wgmma takes from shared memory. Rows past M and N are clamped, not masked, and
-  BLOCK_K divides Kp: no load in the loop is masked, so the pipeliner streams every stage.
-- The MMA's own fp8 accumulator keeps fewer bits than fp32; each step's sums are added to an fp32
-  accumulator (max_num_imprecise_acc = BLOCK_K), as torch._scaled_mm does without use_fast_accum.
+  layout Hopper's 8-bit wgmma takes. Rows past M and N are clamped, not masked, and BLOCK_K divides
+  Kp: no load in the loop is masked, so the pipeliner streams every stage.
 - split-K as quantized_gemm: the splits store fp32 partials, the one drawing the last ticket of the
   tile's counter adds them in split order (deterministic) and writes y; SPLIT_K = 1 writes y directly.
 
 `w8a8_config` picks the tiles and the split by the bytes the busiest SM reads (quantized_gemm's rule,
-with one byte an element of x and W). Triton's interpreter rounds fp32 to e4m3 wrongly where the
-mantissa carries into the exponent, so interpreted launches round in integer arithmetic, exactly, and
-multiply the fp8 tiles as fp32 (exact products, as quantized_gemm does for bf16).
+with one byte an element of x and W), the same for both formats. Triton's interpreter rounds fp32 to
+e4m3 wrongly where the mantissa carries into the exponent, so interpreted fp8 launches round in
+integer arithmetic, exactly, and multiply the fp8 tiles as fp32 (exact products, as quantized_gemm
+does for bf16); its int8 tl.dot sums in int32, exactly, as the GPU does.
 """
 
 from __future__ import annotations
@@ -40,15 +50,18 @@ from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.split_k import reduce_splits
 from fuselab.kernels._common.validate import INTERPRETED
+from fuselab.kernels.quant_codes import _FORMAT_IDS
 from fuselab.kernels.quant_pack import FP8_MAX, QuantizedWeight
 
+W8A8_FORMATS = ("int8", "fp8")
 FP32_TINY = torch.finfo(torch.float32).tiny  # the scale floor: a normal fp32, so x / s never divides by 0
+INT8_MAX = 127.0  # the largest int8 code of x, as of a weight (symmetric: x's codes never take -128)
 MAX_BLOCK_M = 128
 BLOCK_NS = (64, 128, 256)
 # Accumulators a tile: 64 registers a thread at 8 warps, and as many for the per-step partial sums.
 MAX_ACCUMULATORS = 16384
 MAX_SPLIT_K = 8
-# 128 bytes a row of a tile (one swizzled shared-memory line, two fp8 MMA K-steps); 64 where Kp is odd in 64s.
+# 128 bytes a row of a tile (one swizzled shared-memory line, two 8-bit MMA K-steps); 64 where Kp is odd in 64s.
 BLOCK_KS = (128, 64)
 MAX_STAGES = 4
 SHARED_BUDGET = 200 * 1024  # of the 227 KiB an H100 / H200 program may take; the rest for Triton's scratch
@@ -57,7 +70,12 @@ PROGRAM_OVERHEAD_BYTES = 64 * 1024
 # The quantizing kernel holds a row of up to this many elements in registers (one load, one store).
 MAX_QUANT_BLOCK = 16384
 _E4M3_MAX = tl.constexpr(FP8_MAX)
+_INT8_MAX = tl.constexpr(INT8_MAX)
 _SCALE_FLOOR = tl.constexpr(FP32_TINY)
+_INT8 = tl.constexpr(_FORMAT_IDS["int8"])
+# 1.5 · 2^23: v + this lies in [2^23, 2^24), where fp32's step is 1, so the add rounds |v| < 2^22 to
+# an integer, ties to even (the constant is even); subtracting it back is exact.
+_ROUNDER = tl.constexpr(12582912.0)
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -81,8 +99,28 @@ def _e4m3(v, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                          EXACT: tl.constexpr, USE_PDL: tl.constexpr):
+def _row_scale(amax, FORMAT: tl.constexpr):
+    """s_m of a row from its amax: the largest code stands for amax, floored at FP32_TINY."""
+    if FORMAT == _INT8:
+        return tl.maximum(tl.math.div_rn(amax, _INT8_MAX), _SCALE_FLOOR)
+    else:
+        return tl.maximum(tl.math.div_rn(amax, _E4M3_MAX), _SCALE_FLOOR)
+
+
+@triton.jit
+def _row_codes(x, scale, FORMAT: tl.constexpr, EXACT: tl.constexpr):
+    """x / s_m (fp32, rounded division) as the format's codes: int8 rounded to nearest even within
+    ±127, e4m3 within ±448 (`_e4m3`)."""
+    if FORMAT == _INT8:
+        v = tl.clamp(tl.math.div_rn(x, scale), -_INT8_MAX, _INT8_MAX)
+        return ((v + _ROUNDER) - _ROUNDER).to(tl.int8)
+    else:
+        return _e4m3(tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX), EXACT)
+
+
+@triton.jit
+def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
+                          ONE_BLOCK: tl.constexpr, EXACT: tl.constexpr, USE_PDL: tl.constexpr):
     # A program a row. Output column b of a 64-column block holds element 16·(b % 4) + (b % 64) // 4 of
     # it (the weight's byte order), so each block is gathered from the same 64 elements of x.
     row = tl.program_id(0).to(tl.int64)
@@ -95,18 +133,16 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, BLOCK: tl.constexpr, ONE_
         tl.extra.cuda.gdc_launch_dependents()
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), _E4M3_MAX), _SCALE_FLOOR)
-        q = _e4m3(tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX), EXACT)
-        tl.store(q_row + cols, q, mask=cols < KP)
+        scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)
+        tl.store(q_row + cols, _row_codes(x, scale, FORMAT, EXACT), mask=cols < KP)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), _E4M3_MAX), _SCALE_FLOOR)
+        scale = _row_scale(tl.max(amax, axis=0), FORMAT)
         for b0 in range(0, KP, BLOCK):
             x = tl.load(x_row + b0 + src, mask=b0 + src < K, other=0.0).to(tl.float32)
-            q = _e4m3(tl.clamp(tl.math.div_rn(x, scale), -_E4M3_MAX, _E4M3_MAX), EXACT)
-            tl.store(q_row + b0 + cols, q, mask=b0 + cols < KP)
+            tl.store(q_row + b0 + cols, _row_codes(x, scale, FORMAT, EXACT), mask=b0 + cols < KP)
     tl.store(XS + row, scale)
 
 
@@ -123,8 +159,8 @@ def _store_y(acc, WS, XS, B, Y, rows, row_ok, ms, m_ok, stride_ym, HAS_BIAS: tl.
 @triton.jit
 def _w8a8_kernel(
     XQ, XS, Wq, WS, B, Y, PARTS, COUNTS, M, N, KP, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, DOT_FP32: tl.constexpr,
+    FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     # Grid (x's row tiles, W's row tiles, splits): the programs reading one tile of W run side by side.
     pid_m = tl.program_id(0)
@@ -137,8 +173,13 @@ def _w8a8_kernel(
     m_ok = ms < M
     ms = tl.minimum(ms, M - 1)
     ks = tl.arange(0, BLOCK_K)
-    # The packed int32 words read as their bytes: code j of word i is byte 4·i + j (little-endian).
-    w_ptrs = Wq.to(tl.pointer_type(tl.float8e4nv), bitcast=True) + rows[:, None].to(tl.int64) * KP + ks[None, :]
+    # The packed int32 words read as their bytes: code j of word i is byte 4·i + j (little-endian);
+    # int8's unsigned (q + 128), fp8's e4m3.
+    if FORMAT == _INT8:
+        w_bytes = Wq.to(tl.pointer_type(tl.uint8), bitcast=True)
+    else:
+        w_bytes = Wq.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    w_ptrs = w_bytes + rows[:, None].to(tl.int64) * KP + ks[None, :]
     xt_ptrs = XQ + ms[None, :].to(tl.int64) * KP + ks[:, None]
     # This split's steps: a contiguous run; the splits' runs differ by one step at most.
     n_steps = KP // BLOCK_K
@@ -146,14 +187,20 @@ def _w8a8_kernel(
     end = (split + 1) * n_steps // SPLIT_K
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if FORMAT == _INT8:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(first, end):
         w = tl.load(w_ptrs + step * BLOCK_K)
         xt = tl.load(xt_ptrs + step * BLOCK_K)
-        if DOT_FP32:
+        if FORMAT == _INT8:
+            acc = tl.dot((w ^ 0x80).to(tl.int8, bitcast=True), xt, acc, out_dtype=tl.int32)
+        elif DOT_FP32:
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc, max_num_imprecise_acc=BLOCK_K)
+    acc = acc.to(tl.float32)  # int8's int32 sums (exact up to 2^24, then rounded once); fp8's as they are
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
@@ -210,32 +257,34 @@ def w8a8_config(m: int, n: int, kp: int, sms: int) -> tuple[int, int, int, int, 
     return block_m, block_n, block_k, split_k, 8 if block_n * block_m >= 8192 else 4, num_stages
 
 
-def quantize_rows(x2: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] (unit column stride) as e4m3 codes [M, kp] in the fp8 weight's byte order, zero
-    padded, and their scales [M] fp32 (module docstring). One launch."""
+def quantize_rows(x2: torch.Tensor, kp: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] (unit column stride) as codes [M, kp] of `fmt` ("int8": torch.int8, "fp8":
+    float8_e4m3fn) in the packed weight's byte order, zero padded, and their scales [M] fp32 (module
+    docstring). One launch."""
     m, k = x2.shape
-    codes = torch.empty(m, kp, device=x2.device, dtype=torch.float8_e4m3fn)
+    codes = torch.empty(m, kp, device=x2.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     scales = torch.empty(m, device=x2.device, dtype=torch.float32)
     block = min(MAX_QUANT_BLOCK, next_power_of_2(kp))
     pdl = use_pdl(x2.device)
-    launch(_quantize_rows_kernel, (m,), x2, codes, scales, k, kp, x2.stride(0),
+    launch(_quantize_rows_kernel, (m,), x2, codes, scales, k, kp, x2.stride(0), FORMAT=_FORMAT_IDS[fmt],
            BLOCK=block, ONE_BLOCK=block >= kp, EXACT=INTERPRETED, USE_PDL=pdl,
            num_warps=max(1, min(16, block // 1024)), num_stages=1, launch_pdl=pdl)
     return codes, scales
 
 
-def launch_fp8_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
-                    config: tuple[int, int, int, int, int, int] | None = None,
-                    counters: torch.Tensor | None = None) -> None:
-    """y2 [M, N] = quantize(x2) · Wᵀ (+ bias) for an fp8 weight, inputs checked by the caller
-    (quantized_linear): x2 [M, K] with unit column stride, y2 contiguous in x2's dtype.
+def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
+                config: tuple[int, int, int, int, int, int] | None = None,
+                counters: torch.Tensor | None = None) -> None:
+    """y2 [M, N] = quantize(x2) · Wᵀ (+ bias) for an int8 or fp8 weight, x2 quantized to the weight's
+    format; inputs checked by the caller (quantized_linear): x2 [M, K] with unit column stride, y2
+    contiguous in x2's dtype.
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), w8a8_config's by default.
     counters: int32, one per output tile, at zero (the kernel leaves them at zero); by default a fresh
     torch.zeros per call with split-K (quantized_gemm.launch_gemm says why), allocated before x is
     quantized, so that its memset does not stand between the two kernels' dependent launch."""
-    if weight.fmt != "fp8":
-        raise ValueError(f"launch_fp8_w8a8 takes an fp8 weight, got {weight.fmt}")
+    if weight.fmt not in W8A8_FORMATS:
+        raise ValueError(f"launch_w8a8 takes an int8 or fp8 weight, got {weight.fmt}")
     m, n, n_words = x2.shape[0], weight.out_features, weight.data.shape[1]
     kp = 4 * n_words
     block_m, block_n, block_k, split_k, num_warps, num_stages = config or w8a8_config(m, n, kp, sm_count(x2.device))
@@ -249,12 +298,12 @@ def launch_fp8_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         if counters is None:
             counters = torch.zeros(tiles, device=x2.device, dtype=torch.int32)
         parts = torch.empty(tiles * split_k * block_n * block_m, device=x2.device, dtype=torch.float32)
-    codes, scales = quantize_rows(x2, kp)
+    codes, scales = quantize_rows(x2, kp, weight.fmt)
     pdl = use_pdl(x2.device)
     launch(_w8a8_kernel, grid,
         codes, scales, weight.data, weight.scales, weight.scales if bias is None else bias,
         y2, parts, counters, m, n, kp, y2.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        FORMAT=_FORMAT_IDS[weight.fmt], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         USE_PDL=pdl, DOT_FP32=INTERPRETED, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
