@@ -104,8 +104,9 @@ def test_a_random_preset_quantizes_the_weights_its_float_model_draws():
 
 # Bounds at about 1.5x what these tiny random models give: next-token entropy ~4.9 nats of ln(256)
 # = 5.5, so nearly flat distributions whose argmax flips easily (a trained model's agree far more).
-# fp8 scores the sequence's 64 rows as W8A8 (KL 0.008, 95%; weight-only it gives 0.005, 97.5%).
-@pytest.mark.parametrize("quantization, max_kl, min_top1", [("int8", 5e-4, 0.95), ("fp8", 1.2e-2, 0.9),
+# int8 and fp8 score the sequence's 64 rows as W8A8: int8 KL 6.5e-4, 97.5% (weight-only 3.3e-4, 100%),
+# fp8 KL 0.008, 95% (weight-only 0.005, 97.5%).
+@pytest.mark.parametrize("quantization, max_kl, min_top1", [("int8", 1e-3, 0.95), ("fp8", 1.2e-2, 0.9),
                                                              ("int4", 0.11, 0.3), ("int4-g32", 0.09, 0.3)])
 def test_quantized_logits_stay_close_to_the_float_models(checkpoints, quantization, max_kl, min_top1):
     path = checkpoints["llama3"][1]
@@ -200,7 +201,8 @@ def test_schemes_not_yet_checked_on_a_gpu_are_refused_there(checkpoints, monkeyp
 @pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int8", "fp8"])
 def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization, monkeypatch):
     """Batches of 1, 3 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
-    cuBLAS, the decode step replayed from CUDA graphs, against the same model without graphs."""
+    cuBLAS (int8 and fp8: W8A8 from 16 rows), the decode step replayed from CUDA graphs, against the
+    same model without graphs."""
     monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
     path = checkpoints["llama3"][1]
     prompts = [[(7 * i + j) % 256 for j in range(5 + i)] for i in range(20)]

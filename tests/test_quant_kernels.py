@@ -84,7 +84,7 @@ def test_a_gemv_program_walks_several_tiles_and_runs(device, fmt, group):
 @pytest.mark.parametrize("fmt, group", FORMATS)
 @pytest.mark.parametrize("m", [2, 5, 17])
 def test_several_rows_run_the_tensor_core_kernel(device, monkeypatch, fmt, group, dtype, m):
-    monkeypatch.setattr(ql, "W8A8_MIN_ROWS", ql.FUSED_MAX_ROWS + 1)  # fp8's W8A16 kernel (W8A8: test_quant_gemm_fp8)
+    monkeypatch.setattr(ql, "W8A8_MIN_ROWS", ql.FUSED_MAX_ROWS + 1)  # int8's and fp8's W8A16 kernel (W8A8: test_quant_gemm_w8a8)
     taken = _path(monkeypatch)
     _check(_randn((m, 200), dtype, device, m), _weight(fmt, group, 37, 200, device, 4))
     assert taken == ["launch_gemm"]
@@ -93,7 +93,7 @@ def test_several_rows_run_the_tensor_core_kernel(device, monkeypatch, fmt, group
 @pytest.mark.parametrize("fmt, group", FORMATS)
 def test_tensor_core_tiles_over_rows_of_x_and_w(device, monkeypatch, fmt, group):
     # 70 rows of x at 128 a program, 40 rows of W at 64 a program: partial tiles on both sides.
-    monkeypatch.setattr(ql, "W8A8_MIN_ROWS", ql.FUSED_MAX_ROWS + 1)  # fp8's W8A16 kernel
+    monkeypatch.setattr(ql, "W8A8_MIN_ROWS", ql.FUSED_MAX_ROWS + 1)  # int8's and fp8's W8A16 kernel
     x = _randn((70, 130), torch.float32, device, 1)
     weight = _weight(fmt, group, 40, 130, device, 2)
     _check(x, weight, _randn((40,), torch.float32, device, 3))

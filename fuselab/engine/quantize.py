@@ -1,5 +1,5 @@
-"""Weight-only quantization in the engine: the `quantization` argument, and QuantizedLinear, a
-linear layer whose weight lives in fuselab's packed int4 / int8 / fp8 layout.
+"""Quantization in the engine: the `quantization` argument, and QuantizedLinear, a linear layer
+whose weight lives in fuselab's packed int4 / int8 / fp8 layout.
 
 `LLM(model, quantization=...)` quantizes a bf16/fp16/fp32 checkpoint (or a preset's random
 weights) as it loads, a projection at a time, so the float model never exists on the GPU whole:
@@ -7,7 +7,10 @@ weights) as it loads, a projection at a time, so the float model never exists on
 - "int4" (= "int4-g128"), "int4-g64", "int4-g32": 4-bit symmetric, a bf16 scale per group of 128,
   64 or 32 input features;
 - "int8": 8-bit symmetric, an fp32 scale per output channel;
-- "fp8": float8 e4m3, an fp32 scale per output channel (weight-only: activations stay bf16).
+- "fp8": float8 e4m3, an fp32 scale per output channel.
+
+int4 is weight-only; int8 and fp8 quantize the activations too, per row, from W8A8_MIN_ROWS rows of
+x (W8A8, fuselab.kernels.quantized_linear), and stay weight-only below.
 
 Every linear layer is quantized, lm_head included. A model with tied embeddings keeps its
 embedding matrix in the model's dtype for the token lookups, and its logits read a quantized
