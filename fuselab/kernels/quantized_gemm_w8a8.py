@@ -134,7 +134,8 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)
-        tl.store(q_row + cols, _row_codes(x, scale, FORMAT, EXACT), mask=cols < KP)
+        q = _row_codes(x, scale, FORMAT, EXACT)
+        tl.store(q_row + cols, q, mask=cols < KP)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
@@ -142,7 +143,8 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
         scale = _row_scale(tl.max(amax, axis=0), FORMAT)
         for b0 in range(0, KP, BLOCK):
             x = tl.load(x_row + b0 + src, mask=b0 + src < K, other=0.0).to(tl.float32)
-            tl.store(q_row + b0 + cols, _row_codes(x, scale, FORMAT, EXACT), mask=b0 + cols < KP)
+            q = _row_codes(x, scale, FORMAT, EXACT)
+            tl.store(q_row + b0 + cols, q, mask=b0 + cols < KP)
     tl.store(XS + row, scale)
 
 
@@ -303,7 +305,8 @@ def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     launch(_w8a8_kernel, grid,
         codes, scales, weight.data, weight.scales, weight.scales if bias is None else bias,
         y2, parts, counters, m, n, kp, y2.stride(0),
-        FORMAT=_FORMAT_IDS[weight.fmt], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        USE_PDL=pdl, DOT_FP32=INTERPRETED, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        FORMAT=_FORMAT_IDS[weight.fmt], HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl, DOT_FP32=INTERPRETED, num_warps=num_warps,
+        num_stages=num_stages, launch_pdl=pdl,
     )
 
