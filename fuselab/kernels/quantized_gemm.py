@@ -22,6 +22,11 @@ of its block, so the slice is x gathered in runs of 16: the sum over K does not 
 `gemm_config` picks the tile and the split whose busiest SM reads the fewest bytes: its programs'
 slices of x (which every tile of W reads again, from L2) and of W, the partials a reducing split
 reads, and a fixed cost a wave; so it fills the SMs where that is cheaper than x's traffic.
+
+int4 has two more kernels, picked by launch_gemm's config (GEMM_VARIANTS; gemm_config picks the
+default): `_gemm_int4_wide_kernel`, one tl.dot a step over the step's elements in their own order,
+so that the codes are extracted where the MMA reads them from registers, dequantized in fp32 as
+above ("wide") or two at a time in bf16x2 registers ("wide-bf16x2", quant_codes._int4_bf16x2).
 """
 
 from __future__ import annotations
