@@ -1,6 +1,7 @@
-"""quantized_gemm's tensor-core kernel at explicit configs (split-K on and off, steps spanning blocks
-and scale groups, partial tiles on every side) against a float64 dequantization, its split-K counters,
-and gemm_config's rule on the Llama 3 8B projections."""
+"""quantized_gemm's tensor-core kernels at explicit configs (split-K on and off, steps spanning blocks
+and scale groups, partial tiles on every side) against a float64 dequantization, int4's operand
+against dequantize(w, x.dtype) exactly, its split-K counters, and gemm_config's rule on the Llama 3
+8B projections."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from kernel_checks import assert_close, kernel_module
 
 from fuselab.kernels import quantize_weight
 from fuselab.kernels._common.launch import cdiv
+from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_pack import packed_words
 from fuselab.kernels.reference_quant import dequantize
 
@@ -51,6 +53,47 @@ def test_every_config_matches_float64(device, fmt, group, m, n, k, config, dtype
     weight = _weight(fmt, group, n, k, device, m)
     bias = _randn((n,), dtype, device, 2) if with_bias else None
     _run(_randn((m, k), dtype, device, k), weight, bias, config)
+
+
+# The int4 kernels past the default (launch_gemm's 7th config element), at CASES and at one more
+# case: 70 rows, K = 328 (3 steps of 16 words, 2 splits).
+INT4_VARIANTS = range(1, len(qg.GEMM_VARIANTS))
+
+
+@pytest.mark.parametrize("m, n, k, config, dtype, with_bias",
+                         CASES + [(70, 45, 328, (64, 128, 16, 2, 8, 3), torch.bfloat16, True)])
+@pytest.mark.parametrize("group", [128, 64, 32])
+@pytest.mark.parametrize("variant", INT4_VARIANTS)
+def test_int4_kernels_match_float64(device, variant, group, m, n, k, config, dtype, with_bias):
+    weight = _weight("int4", group, n, k, device, m)
+    bias = _randn((n,), dtype, device, 2) if with_bias else None
+    _run(_randn((m, k), dtype, device, k), weight, bias, config + (variant,))
+
+
+@pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float16), (torch.float16, torch.float16),
+                                                  (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("group", [128, 64, 32])
+@pytest.mark.parametrize("variant", [0, *INT4_VARIANTS])
+def test_int4_operand_is_dequantize_in_x_dtype_exactly(device, variant, group, x_dtype, scale_dtype):
+    # x = the identity: each output is one product by 1 plus zeros, so y is the operand itself, which
+    # must be dequantize(w, x.dtype) bit for bit (code · scale rounded once), every column in its place
+    # (K ends in a partial block; two tiles of x; two splits). fp16 scales: GPTQ's.
+    if INTERPRETED and x_dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter rounds fp32 to bf16 toward zero (a GPU rounds to nearest)")
+    n, k = 37, 200
+    weight = _weight("int4", group, n, k, device, 3)
+    weight = weight._replace(scales=weight.scales.to(scale_dtype))
+    y = torch.full((k, n), float("nan"), dtype=x_dtype, device=device)
+    qg.launch_gemm(torch.eye(k, dtype=x_dtype, device=device), weight, None, y, config=(128, 64, 16, 2, 4, 3, variant))
+    assert torch.equal(y, dequantize(weight, x_dtype).t())
+
+
+def test_a_variant_of_another_format_is_refused(device):
+    weight = _weight("int8", 0, 8, 200, device)
+    with pytest.raises(ValueError, match="kernels past 0 are int4's"):
+        qg.launch_gemm(_randn((2, 200), torch.float32, device), weight, None, torch.empty(2, 8, device=device),
+                       config=(16, 64, 16, 1, 4, 3, 1))
 
 
 @pytest.mark.parametrize("fmt, group", [("int4", 32), ("int8", 0)])

@@ -2,7 +2,8 @@
 
 Shared by the quantized GEMV and dequantize kernels (quantized_linear) and the tensor-core GEMM
 (quantized_gemm). Dequantization without int-to-float conversions (a quarter-rate instruction): a
-code OR-ed into the mantissa of 2^23 is the float 2^23 + code, and one FFMA gives q exactly (`_codes`).
+code OR-ed into the mantissa of 2^23 is the float 2^23 + code, and one FFMA gives q exactly (`_codes`);
+for bf16 tensor-core operands, two codes at a time in the halves of a bf16x2 register (`_int4_bf16x2`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from fuselab.kernels._common.validate import INTERPRETED
+
 _FORMAT_IDS = {"int4": 0, "int8": 1, "fp8": 2}
 MAGIC = 0x4B000000  # fp32 2^23: OR-ed with a code of up to 23 bits it is the float 2^23 + code
+# The interpreter has no inline assembly: there `_int4_bf16x2` computes the same values in fp32.
+_PTX = tl.constexpr(not INTERPRETED)
 
+# Codes 0-7 of two int4 words w0, w1 ($8, $9), each times its scale ($10-$17: bf16 pairs), as bf16
+# pairs $0-$7 = (q·s of w0, q·s of w1): the words' low halves (codes 0-3) or high halves (4-7) side
+# by side (PRMT); a code shifted to bit 0 of each half and OR-ed into the mantissa of bf16 128 is
+# 128 + code (LOP3); less 136 it is q exactly; times the scale, q·s rounded once (+ -0.0 keeps it).
+_INT4_BF16X2_ASM = tl.constexpr("""{
+.reg .b32 wlo, whi, t, one, bias, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+prmt.b32 wlo, $8, $9, 0x5410;
+prmt.b32 whi, $8, $9, 0x7632;
+lop3.b32 t, wlo, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $0, t, $10, nz;
+shr.b32 t, wlo, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $1, t, $11, nz;
+shr.b32 t, wlo, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $2, t, $12, nz;
+shr.b32 t, wlo, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $3, t, $13, nz;
+lop3.b32 t, whi, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $4, t, $14, nz;
+shr.b32 t, whi, 4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $5, t, $15, nz;
+shr.b32 t, whi, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $6, t, $16, nz;
+shr.b32 t, whi, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $7, t, $17, nz;
+}""")
 
 @triton.jit
 def _high_half(w, FORMAT: tl.constexpr):
@@ -48,3 +73,29 @@ def _codes(w, hi, magic, j: tl.constexpr, FORMAT: tl.constexpr):
         src = hi if IN_HI else w
         v = ((src & (((1 << BITS) - 1) << POS)) | magic).to(tl.float32, bitcast=True)
         return v * SCALE - OFFSET
+
+
+@triton.jit
+def _int4_bf16x2(w, magic, s0, s1, s2, s3, s4, s5, s6, s7):
+    """Codes 0-7 of int4 words w, each times its scale s_j (bf16, broadcast to w's shape), as 8 bf16
+    tensors: q · s rounded once, as `_codes(w, hi, magic, j, 0) * s_j` in fp32 rounded to bf16 is.
+
+    Compiled: two words at a time into bf16x2 registers (_INT4_BF16X2_ASM), 2 instructions a value
+    (PRMT, shift, LOP3 a pair of codes, two bf16x2 FMAs) where the fp32 path takes 3.5 (LOP3, FFMA,
+    FMUL, half a pack to bf16x2). Which two words make a pair is the compiler's choice; every value
+    depends on its own word only, so any pairing gives the same values, and a layout whose two
+    registers in a row are neighbouring words of a row gives the tensor-core operand's own pairs."""
+    if _PTX:
+        return tl.inline_asm_elementwise(
+            _INT4_BF16X2_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r", [w, s0, s1, s2, s3, s4, s5, s6, s7],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        hi = _high_half(w, 0)
+        return ((_codes(w, hi, magic, 0, 0) * s0.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 1, 0) * s1.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 2, 0) * s2.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 3, 0) * s3.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 4, 0) * s4.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 5, 0) * s5.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 6, 0) * s6.to(tl.float32)).to(tl.bfloat16),
+                (_codes(w, hi, magic, 7, 0) * s7.to(tl.float32)).to(tl.bfloat16))

@@ -22,6 +22,11 @@ of its block, so the slice is x gathered in runs of 16: the sum over K does not 
 `gemm_config` picks the tile and the split whose busiest SM reads the fewest bytes: its programs'
 slices of x (which every tile of W reads again, from L2) and of W, the partials a reducing split
 reads, and a fixed cost a wave; so it fills the SMs where that is cheaper than x's traffic.
+
+int4 has two more kernels, picked by launch_gemm's config (GEMM_VARIANTS; gemm_config picks the
+default): `_gemm_int4_wide_kernel`, one tl.dot a step over the step's elements in their own order,
+so that the codes are extracted where the MMA reads them from registers, dequantized in fp32 as
+above ("wide") or two at a time in bf16x2 registers ("wide-bf16x2", quant_codes._int4_bf16x2).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.split_k import reduce_splits
 from fuselab.kernels._common.validate import INTERPRETED
-from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
+from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
 
 MAX_BLOCK_M = 128
@@ -51,6 +56,10 @@ NUM_STAGES = 3
 # A program's fixed cost (the latency of its first loads, its epilogue) counted as the bytes an SM
 # reads meanwhile, so that a second wave of programs is not free in gemm_config's count.
 PROGRAM_OVERHEAD_BYTES = 64 * 1024
+# The kernels launch_gemm's config may name (its 7th element, an index here; gemm_config picks 0):
+# "per-code", _gemm_kernel (one tl.dot a code position); int4 only, _gemm_int4_wide_kernel (one
+# tl.dot a step): "wide" dequantizes in fp32 as _gemm_kernel does, "wide-bf16x2" in bf16 pairs.
+GEMM_VARIANTS = ("per-code", "wide", "wide-bf16x2")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -167,6 +176,113 @@ def _gemm_kernel(
             _store_y(total, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
 
 
+@triton.jit
+def _code_pair_scales(s_step, GROUPS: tl.constexpr):
+    """A step's scales [BLOCK_N, BLOCKS, GROUPS] as those of codes 0-1, 2-3, 4-5, 6-7, each
+    [BLOCK_N, BLOCKS, 1] (code j's group is j · GROUPS // 8)."""
+    if GROUPS == 1:
+        return s_step, s_step, s_step, s_step
+    elif GROUPS == 2:
+        low, high = tl.split(s_step)
+        return low[:, :, None], low[:, :, None], high[:, :, None], high[:, :, None]
+    else:
+        even, odd = tl.split(tl.reshape(s_step, (s_step.shape[0], s_step.shape[1], 2, 2)))  # groups 0, 2 | 1, 3
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+        return s0[:, :, None], s1[:, :, None], s2[:, :, None], s3[:, :, None]
+
+
+@triton.jit
+def _wide_operand(w, s0, s1, s2, s3, magic, DTYPE: tl.constexpr, BF16X2: tl.constexpr):
+    """A step's words [BLOCK_N, BLOCKS, 16] as the [BLOCK_N, 128 · BLOCKS] operand of DTYPE, its
+    columns the elements in their own order (element 16·j + i of a block is code j of word i);
+    s0-s3 [BLOCK_N, BLOCKS, 1]: the scales of codes 0-1, 2-3, 4-5 and 6-7."""
+    if BF16X2:
+        c0, c1, c2, c3, c4, c5, c6, c7 = _int4_bf16x2(w, magic, s0, s0, s1, s1, s2, s2, s3, s3)
+    else:
+        hi = _high_half(w, 0)
+        s0, s1, s2, s3 = s0.to(tl.float32), s1.to(tl.float32), s2.to(tl.float32), s3.to(tl.float32)
+        # q · s is exact in fp32 (a 4-bit q, a bf16 or fp16 scale): one rounding, to x's dtype.
+        c0 = (_codes(w, hi, magic, 0, 0) * s0).to(DTYPE)
+        c1 = (_codes(w, hi, magic, 1, 0) * s0).to(DTYPE)
+        c2 = (_codes(w, hi, magic, 2, 0) * s1).to(DTYPE)
+        c3 = (_codes(w, hi, magic, 3, 0) * s1).to(DTYPE)
+        c4 = (_codes(w, hi, magic, 4, 0) * s2).to(DTYPE)
+        c5 = (_codes(w, hi, magic, 5, 0) * s2).to(DTYPE)
+        c6 = (_codes(w, hi, magic, 6, 0) * s3).to(DTYPE)
+        c7 = (_codes(w, hi, magic, 7, 0) * s3).to(DTYPE)
+    # [BLOCK_N, BLOCKS, 16, j2, j1, j0] -> [BLOCK_N, BLOCKS, j, 16]: joins and permutes move no data,
+    # so the layout Triton gives the dot's operand reaches back to the words' load (see the kernel).
+    a = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    return tl.reshape(tl.permute(a, (0, 1, 3, 4, 5, 2)), (w.shape[0], 128 * w.shape[1]))
+
+
+@triton.jit
+def _gemm_int4_wide_kernel(
+    X, Wq, S, B, Y, WS, COUNTS, M, N, K, n_words, stride_xm, stride_ym, stride_sn, magic,
+    GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BF16X2: tl.constexpr,
+):
+    # _gemm_kernel's int4 path with one tl.dot a step instead of one a code position: the operand is
+    # the step's 128 · BLOCKS elements in their own order, so x^T's slice is a plain run of K (no
+    # gather) and a thread's share of the operand is whole words it loads itself: Triton carries the
+    # operand's register layout back through the reshape to the load of the words, the codes become
+    # the MMA's register operand where they are extracted (no trip through shared memory, no barrier
+    # a code position), and the MMAs of a step are issued back to back. BF16X2: codes to bf16 pairs
+    # in inline PTX (`_int4_bf16x2`), for bf16 x and bf16 scales; else fp32 as _gemm_kernel.
+    BLOCKS: tl.constexpr = BLOCK_W // 16
+    BLOCK_K: tl.constexpr = 128 * BLOCKS
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows = tl.minimum(rows, N - 1)
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    ms = tl.minimum(ms, M - 1)
+    blocks = tl.arange(0, BLOCKS)
+    words = blocks[:, None] * 16 + tl.arange(0, 16)[None, :]
+    w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + words[None, :, :]
+    ks = tl.arange(0, BLOCK_K)
+    xt_ptrs = X + ms[None, :].to(tl.int64) * stride_xm + ks[:, None]
+    n_steps = n_words // BLOCK_W
+    first = split * n_steps // SPLIT_K
+    end = (split + 1) * n_steps // SPLIT_K
+    s_ptrs = (S + rows[:, None, None].to(tl.int64) * stride_sn
+              + (blocks[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :])[None, :, :])
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    dtype = X.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for step in range(first, end):
+        w = tl.load(w_ptrs + step * BLOCK_W)
+        # The step's scales [BLOCK_N, BLOCKS, GROUPS], loaded in the step (not a step ahead as
+        # _gemm_kernel does) and split per group (not picked by a reduction): Triton carries the
+        # operand's layout back to a load, not to a value carried by the loop, and a split moves no data.
+        s_step = tl.load(s_ptrs + step * (BLOCKS * GROUPS))
+        s0, s1, s2, s3 = _code_pair_scales(s_step, GROUPS)
+        k0 = step * BLOCK_K
+        if EVEN_K:
+            xt = tl.load(xt_ptrs + k0)
+        else:
+            xt = tl.load(xt_ptrs + k0, mask=(k0 + ks < K)[:, None], other=0.0)
+        a = _wide_operand(w, s0, s1, s2, s3, magic, dtype, BF16X2)
+        if DOT_FP32:
+            a, xt = a.to(tl.float32), xt.to(tl.float32)
+        acc = tl.dot(a, xt, acc, input_precision=PRECISION)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if SPLIT_K == 1:
+        _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, 0, HAS_BIAS)
+    else:
+        tile = pid_n * tl.num_programs(0) + pid_m
+        last, total = reduce_splits(acc, WS, COUNTS, tile, row_ok[:, None] & m_ok[None, :], split, SPLIT_K)
+        if last:
+            _store_y(total, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, 0, HAS_BIAS)
+
+
 # --------------------------------------------------------------------------------------------
 # Config rule and launcher
 # --------------------------------------------------------------------------------------------
@@ -229,11 +345,12 @@ def gemm_num_warps(block_m: int, block_n: int, block_w: int) -> int:
 
 
 def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
-                config: tuple[int, int, int, int, int, int] | None = None,
-                counters: torch.Tensor | None = None) -> None:
+                config: tuple[int, ...] | None = None, counters: torch.Tensor | None = None) -> None:
     """y2 [M, N] = x2 [M, K] · dequantize(weight)ᵀ (+ bias), inputs checked by the caller (quantized_linear).
 
-    config: (BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages), gemm_config's by default.
+    config: (BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages), gemm_config's by default,
+    and optionally a 7th element, the kernel: an index into GEMM_VARIANTS (0, the default, for every
+    format; the others int4 only).
     counters: int32, one per output tile (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N)), at zero; the kernel
     leaves them at zero, so a caller may keep one buffer for its calls on one stream. By default a
     fresh torch.zeros per call with split-K: a buffer kept by this module would be shared by every
@@ -242,10 +359,13 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     one, whose programmatic dependent launch then waits for it)."""
     m, n, k, n_words = x2.shape[0], weight.out_features, weight.in_features, weight.data.shape[1]
     fmt = weight.fmt
-    block_m, block_n, block_w, split_k, num_warps, num_stages = config or gemm_config(
-        m, n, n_words, fmt, sm_count(x2.device), x2.element_size())
+    config = config or gemm_config(m, n, n_words, fmt, sm_count(x2.device), x2.element_size())
+    block_m, block_n, block_w, split_k, num_warps, num_stages = config[:6]
+    variant = config[6] if len(config) > 6 else 0
     if block_w % BLOCK_WORDS or n_words % block_w:
         raise ValueError(f"BLOCK_W={block_w} must be a multiple of {BLOCK_WORDS} dividing the row's {n_words} words")
+    if variant not in range(len(GEMM_VARIANTS)) or (variant and fmt != "int4"):
+        raise ValueError(f"kernel {variant} of {GEMM_VARIANTS} does not take {fmt} (kernels past 0 are int4's)")
     grid = (cdiv(m, block_m), cdiv(n, block_n), split_k)
     if split_k == 1:
         workspace = counters = y2  # not read: one split stores y itself
@@ -257,13 +377,16 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     pdl = use_pdl(x2.device)
     # Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; exact in fp32 instead.
     interpreted_bf16 = INTERPRETED and x2.dtype == torch.bfloat16
-    launch(_gemm_kernel, grid,
-        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, workspace, counters,
-        m, n, k, n_words, x2.stride(0), y2.stride(0), weight.scales.stride(0), MAGIC,
-        FORMAT=_FORMAT_IDS[fmt], PER_WORD=values_per_word(fmt),
-        GROUPS=block_elements(fmt) // weight.group_size if fmt == "int4" else 1, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SPLIT_K=split_k,
-        EVEN_K=k % block_elements(fmt) == 0, USE_PDL=pdl,
-        PRECISION="ieee" if x2.dtype == torch.float32 or interpreted_bf16 else "tf32", DOT_FP32=interpreted_bf16,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
-    )
+    args = (x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, workspace, counters,
+            m, n, k, n_words, x2.stride(0), y2.stride(0), weight.scales.stride(0), MAGIC)
+    groups = block_elements(fmt) // weight.group_size if fmt == "int4" else 1
+    meta = dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, SPLIT_K=split_k,
+                EVEN_K=k % block_elements(fmt) == 0, USE_PDL=pdl,
+                PRECISION="ieee" if x2.dtype == torch.float32 or interpreted_bf16 else "tf32",
+                DOT_FP32=interpreted_bf16, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+    if variant == 0:
+        launch(_gemm_kernel, grid, *args, FORMAT=_FORMAT_IDS[fmt], PER_WORD=values_per_word(fmt), GROUPS=groups,
+               **meta)
+    else:
+        bf16x2 = GEMM_VARIANTS[variant] == "wide-bf16x2" and x2.dtype == weight.scales.dtype == torch.bfloat16
+        launch(_gemm_int4_wide_kernel, grid, *args, GROUPS=groups, BF16X2=bf16x2, **meta)
