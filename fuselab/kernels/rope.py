@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from fuselab.kernels._common import indices
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import FLOAT_DTYPES, check_float_tensor, needs_autograd, on_kernel_device
 
@@ -285,13 +286,14 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
 
 
 @functools.cache
-def _rope_decode_meta(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool,
-                      many_tokens: bool, pdl: bool) -> dict:
-    """_rope_decode_kernel's compile-time arguments and launch options, once per shape."""
+def _rope_decode_launcher(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool,
+                          many_tokens: bool, pdl: bool) -> Callable[..., None]:
+    """_rope_decode_kernel with its compile-time arguments and launch options, once per shape."""
     meta = _rope_meta(head_dim, rotary_dim, q_heads, k_heads, interleaved, False, None, None, many_tokens)
-    return dict(N_Q_HEADS=q_heads, N_K_HEADS=k_heads, HALF=meta["HALF"], BLOCK_HALF=meta["BLOCK_HALF"],
-                BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"], BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim,
-                BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved, USE_PDL=pdl, launch_pdl=pdl)
+    return prepare(_rope_decode_kernel, N_Q_HEADS=q_heads, N_K_HEADS=k_heads, HALF=meta["HALF"],
+                   BLOCK_HALF=meta["BLOCK_HALF"], BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"],
+                   BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim, BLOCK_PASS=meta["BLOCK_PASS"],
+                   INTERLEAVED=interleaved, USE_PDL=pdl, launch_pdl=pdl)
 
 
 def _launch_rope_decode(q, k, positions, cos_sin, interleaved: bool):
@@ -304,11 +306,9 @@ def _launch_rope_decode(q, k, positions, cos_sin, interleaved: bool):
     if tokens == 0:
         return q_out, k_out
     pdl = use_pdl(q.device)
-    launch(_rope_decode_kernel, (tokens,),
-        q, k, q_out, k_out, positions, cos_sin, q.stride()[-3], k.stride()[-3], cos_sin_shape[0],
-        **_rope_decode_meta(q_shape[-1], cos_sin_shape[1], q_shape[-2], k_shape[-2], interleaved,
-                            tokens >= _MANY_TOKENS, pdl),
-    )
+    launcher = _rope_decode_launcher(q_shape[-1], cos_sin_shape[1], q_shape[-2], k_shape[-2], interleaved,
+                                   tokens >= _MANY_TOKENS, pdl)
+    launcher((tokens,), q, k, q_out, k_out, positions, cos_sin, q.stride()[-3], k.stride()[-3], cos_sin_shape[0])
     return q_out, k_out
 
 

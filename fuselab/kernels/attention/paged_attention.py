@@ -22,6 +22,7 @@ arguments, and the partials in the output's allocation.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ from fuselab.kernels.attention.common import (
 )
 from fuselab.kernels.attention.paged_decode_kernels import _decode_kernel, _decode_merge_kernel, _dense_decode_kernel
 from fuselab.kernels._common import indices
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
@@ -143,6 +144,14 @@ def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, 
     )
 
 
+@functools.cache
+def _dense_decode_launcher(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int,
+                           cfg: DecodeConfig, pdl: bool) -> Callable[..., None]:
+    """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config
+    (merging in the launch where there are several splits)."""
+    return prepare(_dense_decode_kernel, **_decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1))
+
+
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
     """The kernels on checked inputs. counters: as decode_attention's (the merge in the splits' launch),
     or None (a second launch merges)."""
@@ -191,9 +200,8 @@ def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, spli
     batch, heads, head_dim = q.shape
     cache_shape = k_cache.shape
     merge_here = splits > 1
-    pdl = use_pdl(q.device)
-    meta = _decode_meta(heads // cache_shape[2], head_dim, cache_shape[1], q.dtype, splits, decode_config(head_dim),
-                        pdl, merge_here)
+    launcher = _dense_decode_launcher(heads // cache_shape[2], head_dim, cache_shape[1], q.dtype, splits,
+                                      decode_config(head_dim), use_pdl(q.device))
     if merge_here:
         # The output, then the fp32 partial outputs [batch, heads, splits, head_dim] and their log-sum-exps.
         n_out, n_parts = batch * heads * head_dim, batch * heads * splits
@@ -201,9 +209,9 @@ def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, spli
         out = buffer.as_strided((batch, heads, head_dim), (heads * head_dim, head_dim, 1))
     else:
         out = q.new_empty(batch, heads, head_dim)
-    launch(_dense_decode_kernel, (batch, cache_shape[2], splits),
+    launcher((batch, cache_shape[2], splits),
         q, k_cache, v_cache, block_tables, seq_lens, out, counters if merge_here else None, splits, scale * LOG2E,
-        cache_shape[0], block_tables.shape[1] * cache_shape[1], **meta,
+        cache_shape[0], block_tables.shape[1] * cache_shape[1],
     )
     return out
 
