@@ -272,6 +272,56 @@ def test_an_error_of_the_c_launcher_reaches_the_caller(fast):
     assert len(stock) == 1
 
 
+def test_a_prepared_launch_passes_what_launch_passes_and_keeps_its_keywords(fast):
+    kernel, _, calls, stock = _fake()
+    x = torch.zeros(8)
+    meta = {"BLOCK": 32, "num_warps": 4}
+    prepared = fast_launch.prepare(kernel, **meta)
+    meta["BLOCK"] = 64  # the caller's dict: copied, not read again
+    for _ in range(3):
+        prepared((5, 2), x, 16, 0.5)
+    assert stock == [((5, 2), (x, 16, 0.5), {"BLOCK": 32, "num_warps": 4})]
+    fast_launch.launch(kernel, (5, 2), x, 16, 0.5, BLOCK=32, num_warps=4)  # its own binders: through Triton
+    fast_launch.launch(kernel, (5, 2), x, 16, 0.5, BLOCK=32, num_warps=4)
+    assert len(stock) == 2 and len(calls) == 3 and calls[0] == calls[-1]
+    assert len(fast_launch._binders[id(kernel)]) == 1  # the prepared launch's binder is not the kernel's
+
+
+def test_a_prepared_launch_keys_its_arguments_and_the_device(fast):
+    kernel, _, calls, stock = _fake(runtime=2, constexprs=1)
+    prepared = fast_launch.prepare(kernel, BLOCK=8)
+    x = torch.zeros(8)
+    through_triton = []
+    for args in ((x, 16), (x, 16), (x.double(), 16), (x, 17), (x, 17), (x, None), (x, None), (x[1:], 16)):
+        before = len(stock)
+        prepared((2,), *args)
+        through_triton.append(len(stock) > before)
+    # The first of each dtype, int class, layout and alignment goes through Triton, the rest are bound.
+    assert through_triton == [True, False, True, True, False, True, False, True] and len(calls) == 3
+    fast.device.index = 1
+    prepared((2,), x, 16)
+    assert len(stock) == 6 and calls[-1][3] == 99 + 0  # another device compiles; its stream is read per launch
+    prepared((2,), x, 16)
+    assert calls[-1][3] == 100
+
+
+def test_a_prepared_launch_keeps_tritons_path_where_launch_does(fast):
+    kernel, _, calls, stock = _fake()
+    prepared = fast_launch.prepare(kernel, BLOCK=32)
+    x = torch.zeros(8)
+    prepared((1,), x, 16, 0.5)
+    fast.hooks.launch_exit_hook.calls.append(print)
+    prepared((1,), x, 16, 0.5)
+    fast.hooks.launch_exit_hook.calls.clear()
+    with fast_launch.stock_launches():
+        prepared((1,), x, 16, 0.5)
+    prepared(lambda meta: (1,), x, 16, 0.5)
+    prepared((1,), x, (16,), 0.5)
+    assert len(stock) == 5 and not calls and all(meta == {"BLOCK": 32} for _, _, meta in stock)
+    prepared((1,), x, 16, 0.5)
+    assert len(calls) == 1
+
+
 def test_interpreter_keeps_tritons_launcher():
     if not torch.cuda.is_available():
         assert not fast_launch.FAST
@@ -334,6 +384,7 @@ def _decode_ops(dtype, offset):
     tables = torch.arange(16, device=dev, dtype=torch.int32).view(2, 8)
     lens = torch.tensor([4, 41], device=dev, dtype=torch.int32)
     logits = make(2, 5000)
+    q_dense, counters = make(2, 8, 64), torch.zeros(4, device=dev, dtype=torch.int32)
     return {
         "rms_norm": lambda: kernels.rms_norm(x, w, 1e-6),
         "rms_norm residual": lambda: kernels.rms_norm(x, w, 1e-6, residual=res),
@@ -344,6 +395,8 @@ def _decode_ops(dtype, offset):
         "rope_and_store_kv": lambda: kernels.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache.clone(),
                                                                v_cache.clone(), slots),
         "decode_attention": lambda: kernels.decode_attention(q, k_cache, v_cache, tables, lens, max_seq_len=2048),
+        "decode_attention dense": lambda: kernels.decode_attention(q_dense, k_cache, v_cache, tables, lens,
+                                                                   max_seq_len=2048, counters=counters),
         "apply_rope": lambda: kernels.apply_rope(q, k, positions, cos_sin),
         "add": lambda: kernels.add(x, res),
         "bias_act": lambda: kernels.bias_act(x, w),

@@ -177,6 +177,61 @@ def test_decode_bad_counters_raise_naming_them(device):
 
 
 # --------------------------------------------------------------------------------------------
+# decode: the dense layout's kernel (_dense_decode_kernel) against the general one
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, block_size, splits", [
+    ((1,), 1, 1, 16, 1, 1),
+    ((0, 37, 5), 6, 2, 80, 16, 3),
+    ((129, 1, 64, 300), 8, 1, 32, 64, 7),
+    ((50, 17), 5, 5, 16, 4, 2),
+])
+def test_dense_kernel_is_bitwise_the_general_one(device, dtype, lengths, heads, kv_heads, head_dim, block_size,
+                                                  splits):
+    k_cache, v_cache, block_tables, seq_lens = _paged_cache(list(lengths), kv_heads, head_dim, block_size, dtype,
+                                                            device)
+    q = _randn((len(lengths), heads, head_dim), dtype, device, 7)
+    assert paged._dense_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens)
+    counters = torch.zeros(len(lengths) * kv_heads, dtype=torch.int32, device=device)
+    dense = paged.dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 0.3, splits, counters)
+    for given in (counters, None):  # the general kernel, merging in its launch or in a second one
+        general = paged.decode_launch(q, k_cache, v_cache, block_tables, seq_lens, 0.3, splits, given)
+        assert dense.shape == general.shape and dense.stride() == general.stride()
+        assert torch.equal(dense, general)
+    assert not counters.any()
+
+
+def test_decode_takes_the_dense_kernel_for_dense_inputs_only(device, many_splits, monkeypatch):
+    calls = []
+    dense_launch = paged.dense_decode_launch
+    monkeypatch.setattr(paged, "dense_decode_launch", lambda *args: calls.append(args) or dense_launch(*args))
+    q, k_cache, v_cache, block_tables, seq_lens = _split_case(device)
+    counters = torch.zeros(q.shape[0] * 2, dtype=torch.int32, device=device)
+    expected = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens)
+
+    def check(q, k_cache, v_cache, block_tables, **kwargs):
+        out = decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **kwargs)
+        assert_close(out, expected, torch.float32)
+
+    check(q, k_cache, v_cache, block_tables, counters=counters)  # merged in the launch
+    check(q, k_cache, v_cache, block_tables, max_splits=1)  # one split
+    assert len(calls) == 2
+    check(q, k_cache, v_cache, block_tables, max_splits=4)  # several splits and no tickets: a merge launch
+    wide = torch.zeros(q.shape[0], q.shape[1] + 3, q.shape[2], device=device)
+    wide[:, :q.shape[1]] = q
+    check(wide[:, :q.shape[1]], k_cache, v_cache, block_tables, counters=counters)  # strided q
+    padded = torch.zeros(*k_cache.shape[:3], 48, device=device)
+    padded[..., :32] = k_cache
+    check(q, padded[..., :32], v_cache, block_tables, counters=counters)  # strided cache
+    tables = torch.zeros(block_tables.shape[0], 2 * block_tables.shape[1], dtype=torch.int32, device=device)
+    tables[:, ::2] = block_tables
+    check(q, k_cache, v_cache, tables[:, ::2], counters=counters)  # strided table
+    assert len(calls) == 2
+
+
+# --------------------------------------------------------------------------------------------
 # store_kv
 # --------------------------------------------------------------------------------------------
 

@@ -193,3 +193,73 @@ def test_random_shapes_match_reference(tokens, q_heads, k_heads, half, extra, la
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     q, k, positions = _qk((tokens,), q_heads, k_heads, 2 * half + extra, torch.float32, device, seed=seed)
     _check_against_reference(q, k, positions, rope_cos_sin(MAX_POS, 2 * half, device=device), layout, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# The decode layout's kernel (_rope_decode_kernel) against the general one
+# --------------------------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bit pattern, so that NaN rows compare equal too."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _assert_as_general_kernel(q, k, positions, cos_sin, layout):
+    assert rope_module._decode_layout_ok(q, k, positions, cos_sin, layout)
+    got = apply_rope(q, k, positions, cos_sin, layout)
+    general = rope_module._launch_rope(q, k, positions, cos_sin, layout == "interleaved", inverse=False)
+    for out, expected in zip(got, general, strict=True):
+        assert out.shape == expected.shape and out.stride() == expected.stride()
+        assert torch.equal(_bits(out), _bits(expected))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tokens, q_heads, k_heads, head_dim, rotary_dim",
+                         [(1, 1, 1, 2, 2), (3, 5, 3, 24, 6), (17, 7, 1, 80, 32), (4, 6, 2, 16, 16)])
+def test_decode_layout_views_of_a_projection_as_the_general_kernel(device, dtype, layout, tokens, q_heads, k_heads,
+                                                                   head_dim, rotary_dim):
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim, generator=g).to(dtype).to(device)
+    q = qkv[:, : q_heads * head_dim].view(tokens, q_heads, head_dim)
+    k = qkv[:, q_heads * head_dim : (q_heads + k_heads) * head_dim].view(tokens, k_heads, head_dim)
+    # Some positions outside the cache: NaN rows on both paths.
+    positions = torch.randint(-2, MAX_POS + 2, (tokens,), generator=g).to(torch.int32 if tokens % 2 else torch.int64)
+    _assert_as_general_kernel(q, k, positions.to(device), rope_cos_sin(MAX_POS, rotary_dim, device=device), layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_layout_batched_inputs_as_the_general_kernel(device, layout):
+    q, k, positions = _qk((3, 5), 4, 2, 24, torch.bfloat16, device)
+    cos_sin = rope_cos_sin(MAX_POS, 16, device=device)
+    _assert_as_general_kernel(q, k, positions, cos_sin, layout)
+    _assert_as_general_kernel(q[:1], k[:1], positions[0], cos_sin, layout)  # one batch, [seq] positions
+    # Views of one projection [batch, seq, (q + 2 kv heads) · head_dim], as Hugging Face's q/k before the transpose.
+    qkv = torch.randn(2, 3, 8 * 24, device=device)
+    _assert_as_general_kernel(qkv[..., : 4 * 24].view(2, 3, 4, 24), qkv[..., 4 * 24 : 6 * 24].view(2, 3, 2, 24),
+                              positions[:2, :3].contiguous(), cos_sin, layout)
+
+
+def test_other_layouts_take_the_general_kernel(device, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the decode layout's kernel took inputs of another layout")
+
+    monkeypatch.setattr(rope_module, "_launch_rope_decode", refuse)
+    q, k, positions = _qk((2, 5), 4, 2, 16, torch.float32, device)
+    cos_sin = rope_cos_sin(MAX_POS, 16, device=device)
+    wide_cos_sin = rope_cos_sin(MAX_POS, 32, device=device)[:, :16]  # rows 32 apart
+    cases = [
+        (q.transpose(1, 2).contiguous().transpose(1, 2), k, positions),  # heads not head_dim apart
+        (q, k, positions[0]),  # [seq] positions shared by two batches
+        (q[:, ::2], k[:, ::2], positions[:, ::2]),  # batches not seq tokens apart, strided positions
+        (q[0], k[0], torch.arange(10, device=device)[::2]),  # strided positions
+    ]
+    for q_case, k_case, positions_case in cases:
+        assert not rope_module._decode_layout_ok(q_case, k_case, positions_case, cos_sin, "rotate_half")
+        expected = reference.apply_rope(q_case.double(), k_case.double(), positions_case, cos_sin.double())
+        assert_close(apply_rope(q_case, k_case, positions_case, cos_sin)[0], expected[0], torch.float32)
+    assert not rope_module._decode_layout_ok(q[0], k[0], positions[0], wide_cos_sin, "rotate_half")
+    assert_close(apply_rope(q[0], k[0], positions[0], wide_cos_sin)[1],
+                 reference.apply_rope(q[0].double(), k[0].double(), positions[0], wide_cos_sin.double())[1],
+                 torch.float32)

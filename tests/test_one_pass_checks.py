@@ -106,6 +106,9 @@ def test_rope(device, dims):
     positions = torch.arange(lead[-1], device=device).expand(lead) if dims == 4 else torch.arange(2, device=device)
     cos_sin = torch.randn(32, 8, device=device)
     _assert_stands_for(rope_module._inputs_ok, rope_module._check_inputs, (q, k, positions, cos_sin, "rotate_half"))
+    # The decode layout's predicate, which also picks the lean kernel (dense positions).
+    _assert_stands_for(rope_module._decode_layout_ok, rope_module._check_inputs,
+                       (q, k, positions.contiguous(), cos_sin, "rotate_half"))
 
 
 def _store(device):
@@ -146,4 +149,7 @@ def test_decode_attention(device):
     tables = torch.zeros(2, 3, device=device, dtype=torch.int32)
     lens = torch.ones(2, device=device, dtype=torch.int32)
     _assert_stands_for(paged._decode_inputs_ok, paged._check_decode_inputs,
+                       (q, k_cache, torch.zeros_like(k_cache), tables, lens))
+    # The dense layout's predicate, which also picks the lean kernel.
+    _assert_stands_for(paged._dense_inputs_ok, paged._check_decode_inputs,
                        (q, k_cache, torch.zeros_like(k_cache), tables, lens))

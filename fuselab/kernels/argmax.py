@@ -67,11 +67,13 @@ def _merge_chunks(VALUES, INDICES, base, n_chunks, n_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def _argmax_kernel(
-    X, VALUES, INDICES, COUNTS, OUT, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, MERGE_BLOCK: tl.constexpr,
+    X, OUT, COUNTS, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, MERGE_BLOCK: tl.constexpr,
     ONE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (row, chunk) reduces columns [chunk · BLOCK, (chunk + 1) · BLOCK) of its row. Every
-    # chunk holds at least one column, so the index written is always a real column.
+    # chunk holds at least one column, so the index written is always a real column. With several
+    # chunks, OUT's allocation goes on with the chunks' indices [rows, n_chunks] (int64), then their
+    # maxima (float32); with one, COUNTS is None.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     row = tl.program_id(0).to(tl.int64)
@@ -84,6 +86,8 @@ def _argmax_kernel(
         tl.store(OUT + row, index.to(tl.int64))  # the chunk's index is the row's answer
     else:
         base = row * n_chunks
+        INDICES = OUT + tl.num_programs(0)
+        VALUES = (INDICES + tl.num_programs(0).to(tl.int64) * n_chunks).to(tl.pointer_type(tl.float32), bitcast=True)
         tl.store(INDICES + base + chunk, index.to(tl.int64))
         tl.store(VALUES + base + chunk, value)
         # One thread takes the ticket (a scalar atomic, its result broadcast): the barrier orders the
@@ -113,21 +117,22 @@ def argmax_launch(x: torch.Tensor, counters: torch.Tensor | None = None) -> torc
     """The kernel on a [rows, cols] tensor with cols >= 1 and a unit column stride. counters: as
     argmax's, or None for a fresh zeroed buffer where a row takes several chunks."""
     rows, n_cols = x.shape
-    out = x.new_empty(rows, dtype=torch.int64)
-    if rows == 0:
-        return out
     chunk = CHUNK
-    pdl = use_pdl(x.device)
     n_chunks = cdiv(n_cols, chunk)
-    if n_chunks == 1:
-        values = indices = counters = out  # unused: the one chunk's program writes the output
+    if n_chunks == 1 or rows == 0:
+        out = x.new_empty(rows, dtype=torch.int64)
+        if rows == 0:
+            return out
+        counters = None  # the one chunk's program writes the output: no ticket, no scratch
     else:
-        values = x.new_empty(rows, n_chunks, dtype=torch.float32)
-        indices = x.new_empty(rows, n_chunks, dtype=torch.int64)
+        # One allocation: the output, then the chunks' indices (int64) and maxima (float32, two to a slot).
+        n_parts = rows * n_chunks
+        out = x.new_empty(rows + n_parts + cdiv(n_parts, 2), dtype=torch.int64).as_strided((rows,), (1,))
         if counters is None:
             counters = torch.zeros(rows, dtype=torch.int32, device=x.device)
+    pdl = use_pdl(x.device)
     launch(_argmax_kernel, (rows, n_chunks),
-        x, values, indices, counters, out, x.stride()[0], n_cols, n_chunks, BLOCK=chunk,
+        x, out, counters, x.stride()[0], n_cols, n_chunks, BLOCK=chunk,
         MERGE_BLOCK=min(next_power_of_2(n_chunks), MAX_MERGE_BLOCK), ONE_CHUNK=n_chunks == 1, USE_PDL=pdl,
         num_warps=CHUNK_WARPS, launch_pdl=pdl,
     )

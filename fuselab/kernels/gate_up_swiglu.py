@@ -56,6 +56,7 @@ def _gate_up_swiglu_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Grid (column tiles, splits). W[k, n] is at W + k · stride_wk + n: gate columns 0..I-1, up I..2I-1.
+    # Without split-K, WS and COUNTS are None; with it, COUNTS None means the counters follow the workspace.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,7 +106,10 @@ def _gate_up_swiglu_kernel(
         # its result): the barrier orders every thread's share of the partials before it, and the
         # atomic's release makes them visible to the split that draws the last ticket (acquire).
         tl.debug_barrier()
-        ticket = tl.atomic_add(COUNTS + pid_n, 1, sem="acq_rel", scope="gpu")
+        counts = COUNTS
+        if COUNTS is None:
+            counts = (WS + tl.num_programs(0) * (SPLIT_K * 2 * BLOCK_N)).to(tl.pointer_type(tl.int32), bitcast=True)
+        ticket = tl.atomic_add(counts + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             total_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
             total_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -119,7 +123,7 @@ def _gate_up_swiglu_kernel(
                     total_u += tl.load(parts + i * (2 * BLOCK_N) + BLOCK_N, mask=col_ok, other=0.0,
                                        cache_modifier=".cg")
             _store_y(total_g, total_u, Y, cols, col_ok)
-            tl.store(COUNTS + pid_n, 0)
+            tl.store(counts + pid_n, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,21 +182,22 @@ def gate_up_swiglu_launch(x: torch.Tensor, weight: torch.Tensor, config: tuple[i
 
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps), gate_up_config's (for max_split_k) by default.
     counters: int32, at least cdiv(I, BLOCK_N), at zero; the kernel leaves them at zero, so a caller
-    may keep one buffer for its calls on one stream and save a zeroing launch a call. By default a
-    fresh torch.zeros per call with split-K (a buffer kept by this module would be shared by every
-    stream and graph: two replaying at once would mix their tickets)."""
+    may keep one buffer for its calls on one stream and save a zeroing launch a call. By default
+    fresh zeroed ones per call with split-K, after the workspace in its allocation (a buffer kept by
+    this module would be shared by every stream and graph: two replaying at once would mix their tickets)."""
     two_i, k = weight.shape
     i = two_i // 2
     block_n, block_k, split_k, num_warps = (
         gate_up_config(k, i, sm_count(x.device), max_split_k) if config is None else _check_config(config))
     y = x.new_empty(*x.shape[:-1], i)
     tiles = cdiv(i, block_n)
-    if split_k == 1:
-        workspace = counters = y  # not read: one split stores y itself
-    else:
-        workspace = torch.empty(tiles * split_k * 2 * block_n, device=x.device, dtype=torch.float32)
-        if counters is None:
-            counters = torch.zeros(tiles, device=x.device, dtype=torch.int32)
+    workspace = None  # one split stores y itself
+    if split_k > 1:
+        n_partials = tiles * split_k * 2 * block_n
+        if counters is None:  # the counters after the partials, zeroed with them: one allocation
+            workspace = torch.zeros(n_partials + tiles, device=x.device, dtype=torch.float32)
+        else:
+            workspace = torch.empty(n_partials, device=x.device, dtype=torch.float32)
     pdl = use_pdl(x.device)
     launch(_gate_up_swiglu_kernel, (tiles, split_k),
         x, weight, y, workspace, counters, i, k, weight.stride()[1],

@@ -10,20 +10,23 @@ That keeps q and k safe to save for backward elsewhere (the projections that pro
 Backward rotates the incoming gradients by the opposite angle: the transpose of a rotation.
 Positions outside [0, max_pos) of the cache give NaN rows instead of reading out of bounds.
 
-`rope_and_store_kv` (rope_store.py) is the same kernel with the KV-cache store turned on.
+Inputs laid out as a decode step's take `_rope_decode_kernel`, the same work with the strides that
+follow from the shapes compiled in. `rope_and_store_kv` (rope_store.py) adds the KV-cache store, in
+either layout.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from fuselab.kernels._common import indices
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import FLOAT_DTYPES, check_float_tensor, needs_autograd, on_kernel_device
 
@@ -167,6 +170,38 @@ def _rope_kernel(
         )
 
 
+@triton.jit
+def _rope_decode_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, q_stride_t, k_stride_t, max_pos,
+    N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # _rope_kernel for the layout a decode step has (_decode_layout_ok): token t of q and k at t · stride,
+    # heads HEAD_DIM apart, dense outputs, positions and cos/sin table. So a launch passes 9 arguments
+    # instead of 39 (each costs host time in the launcher).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    in_cache = (pos >= 0) & (pos < max_pos)
+    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * (2 * HALF)
+    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
+    cos = tl.where(in_cache, cos, float("nan"))
+    sin = tl.where(in_cache, sin, float("nan"))
+    q_out = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
+    _rotate_heads(
+        q_ptr + token * q_stride_t, HEAD_DIM, q_out, HEAD_DIM, N_Q_HEADS, cos, sin, q_out, 0, False,
+        HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
+    )
+    k_out = k_out_ptr + token * (N_K_HEADS * HEAD_DIM)
+    _rotate_heads(
+        k_ptr + token * k_stride_t, HEAD_DIM, k_out, HEAD_DIM, N_K_HEADS, cos, sin, k_out, 0, False,
+        HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
+    )
+
 def _token_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, sequence, head) strides of a [B, S, H, D] or [T, H, D] tensor."""
     stride = t.stride()
@@ -250,6 +285,33 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
     return q_out, k_out
 
 
+@functools.cache
+def _rope_decode_launcher(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool,
+                          many_tokens: bool, pdl: bool) -> Callable[..., None]:
+    """_rope_decode_kernel with its compile-time arguments and launch options, once per shape."""
+    meta = _rope_meta(head_dim, rotary_dim, q_heads, k_heads, interleaved, False, None, None, many_tokens)
+    return prepare(_rope_decode_kernel, N_Q_HEADS=q_heads, N_K_HEADS=k_heads, HALF=meta["HALF"],
+                   BLOCK_HALF=meta["BLOCK_HALF"], BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"],
+                   BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim, BLOCK_PASS=meta["BLOCK_PASS"],
+                   INTERLEAVED=interleaved, USE_PDL=pdl, launch_pdl=pdl)
+
+
+def _launch_rope_decode(q, k, positions, cos_sin, interleaved: bool):
+    """apply_rope's launch for inputs of the decode layout (_decode_layout_ok)."""
+    q_shape, k_shape, cos_sin_shape = q.shape, k.shape, cos_sin.shape
+    tokens = q_shape[0] if len(q_shape) == 3 else q_shape[0] * q_shape[1]
+    # empty_like is dense for inputs of this layout (a dense one keeps its strides, views of a projection
+    # get contiguous ones): the kernel's addressing of the outputs.
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if tokens == 0:
+        return q_out, k_out
+    pdl = use_pdl(q.device)
+    launcher = _rope_decode_launcher(q_shape[-1], cos_sin_shape[1], q_shape[-2], k_shape[-2], interleaved,
+                                   tokens >= _MANY_TOKENS, pdl)
+    launcher((tokens,), q, k, q_out, k_out, positions, cos_sin, q.stride()[-3], k.stride()[-3], cos_sin_shape[0])
+    return q_out, k_out
+
+
 # Integer position dtypes the one-pass check takes; any other integer dtype goes through the full checks.
 _POSITION_DTYPES = (torch.int64, torch.int32)
 
@@ -272,6 +334,39 @@ def _inputs_ok(q: object, k: object, positions: object, cos_sin: object, layout:
             and cos_sin.stride()[1] == 1
             and k.device == device and positions.device == device and cos_sin.device == device)
 
+
+_Tensor = torch.Tensor
+
+
+def _decode_layout_ok(q: object, k: object, positions: object, cos_sin: object, layout: object) -> bool:
+    """`_inputs_ok`, and the inputs have the layout _rope_decode_kernel takes, a decode step's: q and k
+    [tokens, heads, head_dim] (or [batch, seq, ...] whose batches are seq tokens apart) with heads head_dim
+    apart (views of one projection are), one position per token, contiguous (for [batch, seq] inputs:
+    [batch, seq], or [seq] with one batch), a contiguous cos/sin table. One pass."""
+    if not (isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(positions, _Tensor)
+            and isinstance(cos_sin, _Tensor)):
+        return False
+    q_shape, k_shape, positions_shape, cos_sin_shape = q.shape, k.shape, positions.shape, cos_sin.shape
+    dims = len(q_shape)
+    if len(k_shape) != dims or not (dims == 3 or dims == 4):
+        return False
+    q_stride, k_stride = q.stride(), k.stride()
+    leading, head_dim = q_shape[:-2], q_shape[-1]
+    if dims == 3:
+        positions_ok = positions_shape == leading
+    else:
+        seq = q_shape[1]
+        positions_ok = ((positions_shape == leading or (q_shape[0] == 1 and positions_shape == leading[1:]))
+                        and q_stride[0] == seq * q_stride[1] and k_stride[0] == seq * k_stride[1])
+    device = q.get_device()
+    return (positions_ok and layout in LAYOUTS and q.dtype in FLOAT_DTYPES and k.dtype in FLOAT_DTYPES
+            and cos_sin.dtype in FLOAT_DTYPES and positions.dtype in _POSITION_DTYPES and on_kernel_device(q)
+            and k_shape[:-2] == leading and k_shape[-1] == head_dim
+            and q_stride[-1] == 1 and k_stride[-1] == 1 and q_stride[-2] == head_dim and k_stride[-2] == head_dim
+            and positions.is_contiguous() and cos_sin.is_contiguous() and len(cos_sin_shape) == 2
+            and cos_sin_shape[1] % 2 == 0 and 0 < cos_sin_shape[1] <= head_dim
+            and on_kernel_device(k) and on_kernel_device(positions) and on_kernel_device(cos_sin)
+            and k.get_device() == device and positions.get_device() == device and cos_sin.get_device() == device)
 
 def _check_inputs(q, k, positions, cos_sin, layout) -> None:
     check_float_tensor("q", q)
@@ -338,13 +433,16 @@ def apply_rope(
     check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
     on the host first, a sync, and raises ValueError naming the first such position.
     """
-    if not _inputs_ok(q, k, positions, cos_sin, layout):
+    decode_layout = _decode_layout_ok(q, k, positions, cos_sin, layout)
+    if not decode_layout and not _inputs_ok(q, k, positions, cos_sin, layout):
         _check_inputs(q, k, positions, cos_sin, layout)  # the checks one by one, which name what is wrong
     if indices.requested(check_indices, q.device):
         indices.check_positions(positions, cos_sin.shape[0])
     interleaved = layout == "interleaved"
     if needs_autograd(q, k):
         return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
+    if decode_layout:
+        return _launch_rope_decode(q, k, positions, cos_sin, interleaved)
     return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
 
 

@@ -12,13 +12,14 @@ take `_rope_store_kernel`, the same work with the strides that follow from the s
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from fuselab.kernels._common import indices
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.validate import FLOAT_DTYPES, needs_autograd, on_kernel_device
 from fuselab.kernels.attention.paged_attention import check_store_inputs, store_inputs_ok
@@ -78,14 +79,15 @@ def _rope_store_kernel(
 
 
 @functools.cache
-def _rope_store_meta(head_dim: int, rotary_dim: int, q_heads: int, kv_heads: int, interleaved: bool,
-                     many_tokens: bool, pdl: bool) -> dict:
-    """_rope_store_kernel's compile-time arguments and launch options, once per shape."""
+def _rope_store_launcher(head_dim: int, rotary_dim: int, q_heads: int, kv_heads: int, interleaved: bool,
+                         many_tokens: bool, pdl: bool) -> Callable[..., None]:
+    """_rope_store_kernel with its compile-time arguments and launch options, once per shape."""
     meta = _rope_meta(head_dim, rotary_dim, q_heads, kv_heads, interleaved, False, kv_heads, 1, many_tokens)
-    return dict(N_Q_HEADS=q_heads, N_KV_HEADS=kv_heads, HALF=meta["HALF"], BLOCK_HALF=meta["BLOCK_HALF"],
-                BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"], BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim,
-                BLOCK_PASS=meta["BLOCK_PASS"], INTERLEAVED=interleaved, BLOCK_V_HEADS=meta["BLOCK_V_HEADS"],
-                BLOCK_D=meta["BLOCK_D"], USE_PDL=pdl, launch_pdl=pdl)
+    return prepare(_rope_store_kernel, N_Q_HEADS=q_heads, N_KV_HEADS=kv_heads, HALF=meta["HALF"],
+                   BLOCK_HALF=meta["BLOCK_HALF"], BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"],
+                   BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim, BLOCK_PASS=meta["BLOCK_PASS"],
+                   INTERLEAVED=interleaved, BLOCK_V_HEADS=meta["BLOCK_V_HEADS"], BLOCK_D=meta["BLOCK_D"],
+                   USE_PDL=pdl, launch_pdl=pdl)
 
 
 def _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleaved: bool):
@@ -97,10 +99,11 @@ def _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
         return q_out, k_out
     cache_shape, cos_sin_shape = k_cache.shape, cos_sin.shape
     pdl = use_pdl(q.device)
-    launch(_rope_store_kernel, (tokens,),
+    launcher = _rope_store_launcher(head_dim, cos_sin_shape[1], q_heads, kv_heads, interleaved, tokens >= _MANY_TOKENS,
+                                    pdl)
+    launcher((tokens,),
         q, k, v, q_out, k_out, positions, cos_sin, slot_mapping, k_cache, v_cache,
         q.stride()[0], k.stride()[0], v.stride()[0], cos_sin_shape[0], cache_shape[0] * cache_shape[1],
-        **_rope_store_meta(head_dim, cos_sin_shape[1], q_heads, kv_heads, interleaved, tokens >= _MANY_TOKENS, pdl),
     )
     return q_out, k_out
 

@@ -13,11 +13,16 @@ launch. A context in one part, as at large batches, is written as the output dir
 one [group, head_dim] tile, so each key and value is read once for the whole group. Everything sized
 on the host comes from shapes and arguments, never from seq_lens' values: no host sync, no
 data-dependent allocation, so a captured CUDA graph replays it with new seq_lens.
+
+Its kernels are in paged_decode_kernels.py. Dense inputs (an engine's decode step) in one launch,
+given tickets or in one split, take the one whose strides follow from the shapes: fewer launch
+arguments, and the partials in the output's allocation.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -30,10 +35,10 @@ from fuselab.kernels.attention.common import (
     dot_precision,
     padded_head_dim,
     resolve_scale,
-    tile_dot,
 )
+from fuselab.kernels.attention.paged_decode_kernels import _decode_kernel, _decode_merge_kernel, _dense_decode_kernel
 from fuselab.kernels._common import indices
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
@@ -46,7 +51,7 @@ from fuselab.kernels._common.validate import (
 )
 
 # --------------------------------------------------------------------------------------------
-# Triton kernels
+# The cache store's Triton kernel (decode attention's are in paged_decode_kernels.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -69,132 +74,6 @@ def _store_kv_kernel(
     v = tl.load(V + token * stride_vt + cols, mask=mask)
     tl.store(K_CACHE + page * stride_kc_block + offset * stride_kc_slot + cols, k.to(K_CACHE.dtype.element_ty), mask=mask)
     tl.store(V_CACHE + page * stride_vc_block + offset * stride_vc_slot + cols, v.to(V_CACHE.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _merge_splits(PART_OUT, PART_LSE, OUT, batch, first_head, num_heads, num_splits, stride_ob, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    # Head by head, out = Σ w_s · out_s / Σ w_s with w_s = exp2(lse_s - max lse), over the splits in a
-    # fixed order, so a result does not depend on which split finished last.
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    split_ok = offs_s < num_splits
-    d_ok = offs_d < HEAD_DIM
-    out_row = OUT + batch.to(tl.int64) * stride_ob
-    for g in range(GROUP):
-        head = first_head + g
-        row = (batch * num_heads + head).to(tl.int64)
-        # .cg: from L2, where the other splits' stores are, never a stale line of this SM's L1.
-        lse = tl.load(PART_LSE + row * num_splits + offs_s, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # a sequence with no context: every weight is 0
-        weights = tl.math.exp2(lse - m)
-        parts = tl.load(PART_OUT + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=split_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-        total = tl.sum(weights, 0)
-        out = tl.sum(weights[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-        tl.store(out_row + head.to(tl.int64) * stride_oh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    PART_OUT, PART_LSE, OUT, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # The merge as a launch of its own (no ticket buffer given): one program a (sequence, head).
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the splits may still be running: wait for their partials
-    row = tl.program_id(0)
-    _merge_splits(PART_OUT, PART_LSE, OUT, row // num_heads, row % num_heads, num_heads, num_splits, stride_ob,
-                  stride_oh, 1, HEAD_DIM, BLOCK_D, SPLITS_PAD)
-
-
-@triton.jit
-def _decode_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, COUNTS, OUT,
-    stride_qb, stride_qh, stride_kc_block, stride_kc_slot, stride_kc_head,
-    stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
-    num_blocks, table_tokens,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-    # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
-    # here on the device, so every split of a long or short sequence gets an even share.
-    batch = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
-    # Clamped to the tokens a table row holds, so that no length walks off it (a scalar a program).
-    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + batch), 0), table_tokens)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g
-    d_ok = offs_d < HEAD_DIM
-    # tl.dot needs 16 rows: a group smaller than that is padded with zero queries, never stored.
-    q_mask = (offs_g < GROUP)[:, None] & d_ok[None, :]
-    q = tl.load(Q + batch.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
-    table = BLOCK_TABLES + batch.to(tl.int64) * stride_table
-    K_head = K_CACHE + kv_head.to(tl.int64) * stride_kc_head
-    V_head = V_CACHE + kv_head.to(tl.int64) * stride_vc_head
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tokens = start + offs_n
-        token_ok = tokens < hi
-        pages = tl.load(table + tokens // PAGE_SIZE, mask=token_ok, other=0).to(tl.int64)
-        # A block id outside the cache reads as zero keys and values, never memory past the cache: a
-        # compare on the ids already loaded, one a token.
-        kv_ok = token_ok & (pages >= 0) & (pages < num_blocks)
-        in_page = tokens % PAGE_SIZE
-        kT = tl.load(K_head + (pages * stride_kc_block + in_page * stride_kc_slot)[None, :] + offs_d[:, None],
-                     mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-        qk = tile_dot(q, kT, None, DOT_PRECISION) * qk_scale
-        qk = tl.where(token_ok[None, :], qk, float("-inf"))
-        # Each iterated block holds at least one token of the split, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_head + (pages * stride_vc_block + in_page * stride_vc_slot)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tile_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
-        m_i = m_new
-
-    # A split past the sequence's end keeps m_i = -inf, l_i = 0: its lse is -inf and the merge gives it no weight.
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
-    head_ok = offs_g < GROUP
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    if ONE_SPLIT:
-        # The whole context was this program's: its output is final, and nothing is merged.
-        tl.store(OUT + batch.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
-    else:
-        parts = ((batch * num_heads + heads) * num_splits + split).to(tl.int64)
-        tl.store(PART_LSE + parts, m_i + tl.math.log2(l_safe), mask=head_ok)
-        tl.store(PART_OUT + parts[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
-        if MERGE_HERE:
-            # One thread takes the ticket (a scalar atomic, its result broadcast): the barrier orders every
-            # thread's share of the partial before it, and the atomic's release makes them visible to the
-            # split that draws the last ticket (acquire). That one merges, and puts the counter back to 0.
-            tl.debug_barrier()
-            counter = COUNTS + batch * tl.num_programs(1) + kv_head
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                _merge_splits(PART_OUT, PART_LSE, OUT, batch, kv_head * GROUP, num_heads, num_splits, stride_ob,
-                              stride_oh, GROUP, HEAD_DIM, BLOCK_D, SPLITS_PAD)
-                tl.store(counter, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +144,14 @@ def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, 
     )
 
 
+@functools.cache
+def _dense_decode_launcher(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int,
+                           cfg: DecodeConfig, pdl: bool) -> Callable[..., None]:
+    """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config
+    (merging in the launch where there are several splits)."""
+    return prepare(_dense_decode_kernel, **_decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1))
+
+
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
     """The kernels on checked inputs. counters: as decode_attention's (the merge in the splits' launch),
     or None (a second launch merges)."""
@@ -302,9 +189,39 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, co
     return out
 
 
+# float32 values in one element of each input dtype: the partials are sized in the output's elements.
+_ELEMENTS_PER_FLOAT32 = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}
+
+
+def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
+    """decode_launch for inputs of the dense layout (_dense_inputs_ok), in one launch: one split, or the
+    merge in the splits' launch (counters, as decode_attention's, required then). One allocation: with
+    several splits, the output's goes on with the partials."""
+    batch, heads, head_dim = q.shape
+    cache_shape = k_cache.shape
+    merge_here = splits > 1
+    launcher = _dense_decode_launcher(heads // cache_shape[2], head_dim, cache_shape[1], q.dtype, splits,
+                                      decode_config(head_dim), use_pdl(q.device))
+    if merge_here:
+        # The output, then the fp32 partial outputs [batch, heads, splits, head_dim] and their log-sum-exps.
+        n_out, n_parts = batch * heads * head_dim, batch * heads * splits
+        buffer = q.new_empty(n_out + n_parts * (head_dim + 1) * _ELEMENTS_PER_FLOAT32[q.dtype])
+        out = buffer.as_strided((batch, heads, head_dim), (heads * head_dim, head_dim, 1))
+    else:
+        out = q.new_empty(batch, heads, head_dim)
+    launcher((batch, cache_shape[2], splits),
+        q, k_cache, v_cache, block_tables, seq_lens, out, counters if merge_here else None, splits, scale * LOG2E,
+        cache_shape[0], block_tables.shape[1] * cache_shape[1],
+    )
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Public functions
 # --------------------------------------------------------------------------------------------
+
+
+_Tensor = torch.Tensor
 
 
 def _check_int_tensor(name: str, t: object, ndim: int, device: torch.device) -> None:
@@ -373,6 +290,31 @@ def _decode_inputs_ok(q: object, k_cache: object, v_cache: object, block_tables:
             and block_tables.dtype is torch.int32 and len(table_shape) == 2 and table_shape[0] == batch
             and block_tables.device == device and seq_lens.dtype is torch.int32 and len(lens_shape) == 1
             and lens_shape[0] == batch and seq_lens.device == device)
+
+
+def _dense_inputs_ok(q: object, k_cache: object, v_cache: object, block_tables: object, seq_lens: object) -> bool:
+    """`_decode_inputs_ok`, and every tensor contiguous: the layout of an engine's decode step, which
+    _dense_decode_kernel takes. One pass."""
+    if not (isinstance(q, _Tensor) and isinstance(k_cache, _Tensor) and isinstance(v_cache, _Tensor)
+            and isinstance(block_tables, _Tensor) and isinstance(seq_lens, _Tensor)):
+        return False
+    q_shape, cache_shape, table_shape, lens_shape = q.shape, k_cache.shape, block_tables.shape, seq_lens.shape
+    if len(q_shape) != 3 or len(cache_shape) != 4:
+        return False
+    batch, heads, head_dim = q_shape
+    block_size, kv_heads = cache_shape[1], cache_shape[2]
+    dtype, device = q.dtype, q.get_device()
+    return (dtype in FLOAT_DTYPES and on_kernel_device(q) and k_cache.dtype is dtype and v_cache.dtype is dtype
+            and v_cache.shape == cache_shape and block_size >= 1 and not block_size & (block_size - 1)
+            and head_dim in SUPPORTED_HEAD_DIMS and cache_shape[3] == head_dim and kv_heads != 0
+            and heads % kv_heads == 0 and block_tables.dtype is torch.int32 and len(table_shape) == 2
+            and table_shape[0] == batch and seq_lens.dtype is torch.int32 and len(lens_shape) == 1
+            and lens_shape[0] == batch and q.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous()
+            and on_kernel_device(k_cache) and on_kernel_device(v_cache) and on_kernel_device(block_tables)
+            and on_kernel_device(seq_lens)  # the device type, then (for CUDA) which device
+            and k_cache.get_device() == device and v_cache.get_device() == device
+            and block_tables.get_device() == device and seq_lens.get_device() == device)
 
 
 def check_store_inputs(k: object, v: object, k_cache: object, v_cache: object, slot_mapping: object) -> None:
@@ -460,7 +402,8 @@ def decode_attention(
     for the host; without it (the default) a second launch merges, which the GPU runs sooner (the
     Llama 3 1B shape on an H200, 16 layers: 85 µs of GPU time a step against 135 merged in one).
     """
-    if not _decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens):
+    dense = _dense_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens)
+    if not dense and not _decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens):
         _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)  # one by one, naming what is wrong
     batch, heads, head_dim = q.shape
     device = q.device
@@ -477,9 +420,11 @@ def decode_attention(
         indices.check_paged_context(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if batch == 0:
         return torch.empty_like(q)
+    splits = num_splits(batch, k_cache.shape[2], max_seq_len, max_splits, device)
+    if dense and (splits == 1 or counters is not None):
+        return dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, float(scale), splits, counters)
     if q.stride()[2] != 1:
         q = q.contiguous()
-    splits = num_splits(batch, k_cache.shape[2], max_seq_len, max_splits, device)
     return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits,
                          counters)
 
