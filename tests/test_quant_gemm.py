@@ -67,7 +67,18 @@ INT4_VARIANTS = range(1, len(qg.GEMM_VARIANTS))
 def test_int4_kernels_match_float64(device, variant, group, m, n, k, config, dtype, with_bias):
     weight = _weight("int4", group, n, k, device, m)
     bias = _randn((n,), dtype, device, 2) if with_bias else None
-    _run(_randn((m, k), dtype, device, k), weight, bias, config + (variant,))
+    _run(_randn((m, k), dtype, device, k), weight, bias, _fitting(config, variant, dtype))
+
+
+def _fitting(config, variant, dtype):
+    """config for `variant` with its step shortened until the wide kernel's pipeline fits a program's
+    shared memory on a GPU (its operand takes a whole step at fp32 x)."""
+    block_m, block_n, block_w, split_k, num_warps, num_stages = config
+    x_bytes = torch.finfo(dtype).bits // 8
+    while block_w > 16 and qg.gemm_shared_bytes(block_m, block_n, block_w, "int4", num_stages, x_bytes,
+                                                variant) > qg.SHARED_BUDGET:
+        block_w //= 2
+    return block_m, block_n, block_w, split_k, num_warps, num_stages, variant
 
 
 @pytest.mark.parametrize("x_dtype, scale_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16),
@@ -128,20 +139,25 @@ def test_the_rule_fills_the_sms_with_configs_that_fit(fmt, m):
     sms = 132
     for n, k in LLAMA3_8B.values():
         n_words = packed_words(k, fmt)
-        block_m, block_n, block_w, split_k, num_warps, num_stages = qg.gemm_config(m, n, n_words, fmt, sms)
+        config = qg.gemm_config(m, n, n_words, fmt, sms)
+        block_m, block_n, block_w, split_k, num_warps, num_stages = config[:6]
+        variant = config[6] if fmt == "int4" else 0
+        assert len(config) == (7 if fmt == "int4" else 6)
         assert block_m == min(qg.MAX_BLOCK_M, max(16, 1 << (m - 1).bit_length()))
         assert block_n in (64, 128, 256) and split_k in (1, 2, 4, 8) and num_warps in (4, 8)
         assert n_words % block_w == 0 and n_words // block_w >= split_k
         assert block_n * block_w <= qg.MAX_STEP_WORDS
-        assert qg.gemm_shared_bytes(block_m, block_n, block_w, fmt, num_stages) <= qg.SHARED_BUDGET
+        assert qg.gemm_shared_bytes(block_m, block_n, block_w, fmt, num_stages, 2, variant) <= qg.SHARED_BUDGET
         assert cdiv(m, block_m) * cdiv(n, block_n) * split_k >= 0.7 * sms  # about a wave or more
 
 
 def test_the_rule_splits_the_narrow_projections_and_not_the_wide_ones():
     # 64 rows, int4: o (4096 rows of W) in 32 tiles of 128 rows, 4 splits; gate_up (28672) in 112
     # tiles of 256, whole rows; x from L2 at most twice the weight's bytes in both.
-    assert qg.gemm_config(64, 4096, 512, "int4", 132) == (64, 128, 32, 4, 8, 3)
-    assert qg.gemm_config(64, 28672, 512, "int4", 132) == (64, 256, 16, 1, 8, 3)
+    assert qg.gemm_config(64, 4096, 512, "int4", 132) == (64, 128, 32, 4, 8, 3, qg.WIDE_INT4)
+    assert qg.gemm_config(64, 28672, 512, "int4", 132) == (64, 256, 32, 1, 8, 3, qg.WIDE_INT4)
+    assert len(qg.gemm_config(64, 4096, 512, "int4", 132, 4)) == 6  # fp32 x: the per-code kernel
+    assert qg.gemm_config(16, 28672, 512, "int4", 132)[1] == 128  # no 256-row tiles at 16 rows
     assert qg.gemm_config(16, 4096, 1024, "int8", 132)[3] == 4
     assert qg.gemm_config(16, 128256, 1024, "int8", 132)[3] == 1
 

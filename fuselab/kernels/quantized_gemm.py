@@ -23,10 +23,14 @@ of its block, so the slice is x gathered in runs of 16: the sum over K does not 
 slices of x (which every tile of W reads again, from L2) and of W, the partials a reducing split
 reads, and a fixed cost a wave; so it fills the SMs where that is cheaper than x's traffic.
 
-int4 has two more kernels, picked by launch_gemm's config (GEMM_VARIANTS; gemm_config picks the
-default): `_gemm_int4_wide_kernel`, one tl.dot a step over the step's elements in their own order,
-so that the codes are extracted where the MMA reads them from registers, dequantized in fp32 as
-above ("wide") or two at a time in bf16x2 registers ("wide-bf16x2", quant_codes._int4_bf16x2).
+int4 with bf16 or fp16 activations runs `_gemm_int4_wide_kernel` (gemm_config's 7th element,
+GEMM_VARIANTS): one tl.dot a step over the step's elements in their own order, so that the codes are
+extracted where the MMA reads them from registers (no shared-memory round trip, no barrier per code
+position), dequantized two at a time in bf16x2 registers where x and the scales are bf16
+("wide-bf16x2", quant_codes._int4_bf16x2), else in fp32 as above ("wide"). On the Llama 3 8B
+projections at 16 and 64 rows its best config was 1.3-2.6x faster than the per-code kernel's
+(scripts/tune-quant-gemv).
+fp32 activations keep the per-code kernel: a tf32 operand goes through shared memory, a whole step of it.
 """
 
 from __future__ import annotations
@@ -56,10 +60,12 @@ NUM_STAGES = 3
 # A program's fixed cost (the latency of its first loads, its epilogue) counted as the bytes an SM
 # reads meanwhile, so that a second wave of programs is not free in gemm_config's count.
 PROGRAM_OVERHEAD_BYTES = 64 * 1024
-# The kernels launch_gemm's config may name (its 7th element, an index here; gemm_config picks 0):
-# "per-code", _gemm_kernel (one tl.dot a code position); int4 only, _gemm_int4_wide_kernel (one
-# tl.dot a step): "wide" dequantizes in fp32 as _gemm_kernel does, "wide-bf16x2" in bf16 pairs.
+# The kernels launch_gemm's config may name (its 7th element, an index here): "per-code",
+# _gemm_kernel (one tl.dot a code position); int4 only, _gemm_int4_wide_kernel (one tl.dot a step):
+# "wide" dequantizes in fp32 as _gemm_kernel does, "wide-bf16x2" in bf16 pairs where x and the
+# scales are bf16 (else as "wide"). gemm_config picks "wide-bf16x2" for int4 with 16-bit x.
 GEMM_VARIANTS = ("per-code", "wide", "wide-bf16x2")
+WIDE_INT4 = GEMM_VARIANTS.index("wide-bf16x2")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -288,11 +294,18 @@ def _gemm_int4_wide_kernel(
 # --------------------------------------------------------------------------------------------
 
 
-def gemm_shared_bytes(block_m: int, block_n: int, block_w: int, fmt: str, num_stages: int, x_bytes: int = 2) -> int:
+def gemm_shared_bytes(block_m: int, block_n: int, block_w: int, fmt: str, num_stages: int, x_bytes: int = 2,
+                      variant: int = 0) -> int:
     """Shared memory a program's pipeline takes, estimated: per stage a step's words of W and the
-    x^T slices of its code positions; once, the dequantized operand on its way to the MMA's layout."""
+    x^T slices of its code positions; once, the dequantized operand on its way to the MMA's layout:
+    a code position's for the per-code kernel, none for the wide kernel at 16-bit x (registers), a
+    whole step's at fp32 x."""
     step = block_n * block_w * 4 + values_per_word(fmt) * block_w * block_m * x_bytes
-    return num_stages * step + block_n * block_w * x_bytes
+    if variant == 0:
+        operand = block_n * block_w * x_bytes
+    else:
+        operand = 0 if x_bytes == 2 else values_per_word(fmt) * block_n * block_w * x_bytes
+    return num_stages * step + operand
 
 
 def _bytes_per_sm(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int, block_m: int, block_n: int,
@@ -308,9 +321,9 @@ def _bytes_per_sm(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int
 
 
 @functools.lru_cache(maxsize=1024)
-def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int = 2
-                ) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages) for m rows of x, n of W, n_words a row.
+def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int = 2) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages) for m rows of x, n of W, n_words a
+    row, and for int4 at 16-bit x a 7th element, WIDE_INT4 (its kernel).
 
     - BLOCK_M: x's rows padded to a power of two, 16 (the MMA's narrow side) to MAX_BLOCK_M.
     - BLOCK_N (64, 128, 256) and SPLIT_K (1 to MAX_SPLIT_K, a block of the row each at least): the
@@ -322,21 +335,26 @@ def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int =
     - BLOCK_W: the longest step of 64, 32, 16 words dividing the row, each split a step at least,
       within MAX_STEP_WORDS of registers and, at NUM_STAGES, SHARED_BUDGET (else 16 words, 2 stages).
     - num_warps: gemm_num_warps.
+    - int4 at 16-bit x: the wide kernel, its operand in registers (gemm_shared_bytes), and no tiles
+      of 256 rows of W at 16 rows of x (2-3x slower than 128 there, on the Llama 3 8B projections).
     """
+    wide = fmt == "int4" and x_bytes == 2
+    variant = WIDE_INT4 if wide else 0
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
     splits = [s for s in (1, 2, 4, 8) if s <= min(MAX_SPLIT_K, n_words // BLOCK_WORDS)]
+    widths = (64, 128) if wide and block_m == 16 else (64, 128, 256)
     _, split_k, block_n = min(
-        (_bytes_per_sm(m, n, n_words, fmt, sms, x_bytes, block_m, bn, s), s, -bn) for bn in (64, 128, 256)
-        for s in splits)
+        (_bytes_per_sm(m, n, n_words, fmt, sms, x_bytes, block_m, bn, s), s, -bn) for bn in widths for s in splits)
     block_n = -block_n
     num_stages = NUM_STAGES
     for block_w in (64, 32, 16):
         if (n_words % block_w == 0 and n_words // block_w >= split_k and block_n * block_w <= MAX_STEP_WORDS
-                and gemm_shared_bytes(block_m, block_n, block_w, fmt, num_stages, x_bytes) <= SHARED_BUDGET):
+                and gemm_shared_bytes(block_m, block_n, block_w, fmt, num_stages, x_bytes, variant) <= SHARED_BUDGET):
             break
     else:
         num_stages = 2
-    return block_m, block_n, block_w, split_k, gemm_num_warps(block_m, block_n, block_w), num_stages
+    config = (block_m, block_n, block_w, split_k, gemm_num_warps(block_m, block_n, block_w), num_stages)
+    return config + (variant,) if wide else config
 
 
 def gemm_num_warps(block_m: int, block_n: int, block_w: int) -> int:
@@ -349,8 +367,8 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     """y2 [M, N] = x2 [M, K] · dequantize(weight)ᵀ (+ bias), inputs checked by the caller (quantized_linear).
 
     config: (BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K, num_warps, num_stages), gemm_config's by default,
-    and optionally a 7th element, the kernel: an index into GEMM_VARIANTS (0, the default, for every
-    format; the others int4 only).
+    and optionally a 7th element, the kernel: an index into GEMM_VARIANTS (0 when left out; the
+    others int4 only).
     counters: int32, one per output tile (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N)), at zero; the kernel
     leaves them at zero, so a caller may keep one buffer for its calls on one stream. By default a
     fresh torch.zeros per call with split-K: a buffer kept by this module would be shared by every
