@@ -124,11 +124,16 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, dev
 def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     k_shape, cache_shape, k_cache_stride, v_cache_stride = k.shape, k_cache.shape, k_cache.stride(), v_cache.stride()
     token_width = k_shape[1] * k_shape[2]
-    launch(_store_kv_kernel, (k_shape[0],),
+    _store_kv_launcher(cache_shape[1], token_width)((k_shape[0],),
         k, v, k_cache, v_cache, slot_mapping, k.stride()[0], v.stride()[0], k_cache_stride[0], k_cache_stride[1],
         v_cache_stride[0], v_cache_stride[1], token_width, cache_shape[0] * cache_shape[1],
-        PAGE_SIZE=cache_shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
     )
+
+
+@functools.cache
+def _store_kv_launcher(page_size: int, token_width: int) -> Callable[..., None]:
+    """The store kernel with its compile-time arguments and launch options, once per cache block and token."""
+    return prepare(_store_kv_kernel, PAGE_SIZE=page_size, BLOCK=next_power_of_2(token_width), num_warps=4)
 
 
 @functools.cache
