@@ -228,11 +228,9 @@ def layer_norm_forward(
         return y, h, mean, rstd
     launcher = _forward_launcher(n_cols, MAX_FUSED_BLOCK, residual is not None, bias is not None, activation,
                                  save_stats)
-    # Unused pointer slots get `x`: the branch that would read them is compiled out.
-    launcher((n_rows,),
-        x, x if residual is None else residual, weight, x if bias is None else bias, y, x if h is None else h,
-        y if mean is None else mean, y if rstd is None else rstd, n_cols, eps,
-    )
+    # Unused pointer slots are None, which the launcher passes cheaper than a tensor: the branch that
+    # would read them is compiled out, and the flags that say so are in the launcher's key.
+    launcher((n_rows,), x, residual, weight, bias, y, h, mean, rstd, n_cols, eps)
     return y, h, mean, rstd
 
 

@@ -108,7 +108,7 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x_shape = x.shape
     y = x.new_empty(*x_shape[:-1], n)  # x's dtype and device
     grid, launcher = _gemv_launcher(n, k, bias is not None, use_pdl(x.device))
-    launcher(grid, x, weight, weight if bias is None else bias, y, n, k, weight.stride()[0])
+    launcher(grid, x, weight, bias, y, n, k, weight.stride()[0])  # no bias: None, compiled out with HAS_BIAS
     return y
 
 

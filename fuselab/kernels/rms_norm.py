@@ -172,11 +172,9 @@ def rms_norm_forward(
     if n_rows == 0:  # no elements
         return y, h, rstd
     launcher = _forward_launcher(n_cols, MAX_FUSED_BLOCK, residual is not None, save_rstd, use_pdl(x.device))
-    # Unused pointer slots get `x`: the branch that would read them is compiled out.
-    launcher((n_rows,),
-        x, x if residual is None else residual, weight, y, x if h is None else h, y if rstd is None else rstd,
-        n_cols, eps,
-    )
+    # Unused pointer slots are None, which the launcher passes cheaper than a tensor: the branch that
+    # would read them is compiled out, and the flags that say so are in the launcher's key.
+    launcher((n_rows,), x, residual, weight, y, h, rstd, n_cols, eps)
     return y, h, rstd
 
 
