@@ -154,7 +154,8 @@ def _dense_decode_launcher(group: int, head_dim: int, page_size: int, dtype: tor
                            cfg: DecodeConfig, pdl: bool) -> Callable[..., None]:
     """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config
     (merging in the launch where there are several splits)."""
-    return prepare(_dense_decode_kernel, **_decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1))
+    meta = _decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1)
+    return prepare(_dense_decode_kernel, **meta)
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
