@@ -15,11 +15,14 @@ NaN beats every number (the first NaN wins), and a row of -inf gives index 0.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import (
     check_counters,
@@ -130,13 +133,16 @@ def argmax_launch(x: torch.Tensor, counters: torch.Tensor | None = None) -> torc
         out = x.new_empty(rows + n_parts + cdiv(n_parts, 2), dtype=torch.int64).as_strided((rows,), (1,))
         if counters is None:
             counters = torch.zeros(rows, dtype=torch.int32, device=x.device)
-    pdl = use_pdl(x.device)
-    launch(_argmax_kernel, (rows, n_chunks),
-        x, out, counters, x.stride()[0], n_cols, n_chunks, BLOCK=chunk,
-        MERGE_BLOCK=min(next_power_of_2(n_chunks), MAX_MERGE_BLOCK), ONE_CHUNK=n_chunks == 1, USE_PDL=pdl,
-        num_warps=CHUNK_WARPS, launch_pdl=pdl,
-    )
+    launcher = _argmax_launcher(chunk, n_chunks, MAX_MERGE_BLOCK, use_pdl(x.device))
+    launcher((rows, n_chunks), x, out, counters, x.stride()[0], n_cols, n_chunks)
     return out
+
+
+@functools.cache
+def _argmax_launcher(chunk: int, n_chunks: int, max_merge_block: int, pdl: bool) -> Callable[..., None]:
+    """The kernel with its compile-time arguments and launch options, once per chunk count."""
+    return prepare(_argmax_kernel, BLOCK=chunk, MERGE_BLOCK=min(next_power_of_2(n_chunks), max_merge_block),
+                   ONE_CHUNK=n_chunks == 1, USE_PDL=pdl, num_warps=CHUNK_WARPS, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,12 +21,13 @@ split ends last: deterministic), applies the activation, stores y and sets the c
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
@@ -198,13 +199,16 @@ def gate_up_swiglu_launch(x: torch.Tensor, weight: torch.Tensor, config: tuple[i
             workspace = torch.zeros(n_partials + tiles, device=x.device, dtype=torch.float32)
         else:
             workspace = torch.empty(n_partials, device=x.device, dtype=torch.float32)
-    pdl = use_pdl(x.device)
-    launch(_gate_up_swiglu_kernel, (tiles, split_k),
-        x, weight, y, workspace, counters, i, k, weight.stride()[1],
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl,
-        num_warps=num_warps, num_stages=1, launch_pdl=pdl,
-    )
+    launcher = _launcher(block_n, block_k, split_k, num_warps, use_pdl(x.device))
+    launcher((tiles, split_k), x, weight, y, workspace, counters, i, k, weight.stride()[1])
     return y
+
+
+@functools.cache
+def _launcher(block_n: int, block_k: int, split_k: int, num_warps: int, pdl: bool) -> Callable[..., None]:
+    """The kernel with its compile-time arguments and launch options, once per config."""
+    return prepare(_gate_up_swiglu_kernel, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, USE_PDL=pdl,
+                   num_warps=num_warps, num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------

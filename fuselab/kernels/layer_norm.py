@@ -8,12 +8,15 @@ formula, never through the cancellation-prone E[x²] − E[x]².
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from fuselab.kernels._common.activations import ACTIVATIONS, activate, activate_grad
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.residual import load_input_row
 from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
@@ -223,19 +226,26 @@ def layer_norm_forward(
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if y.numel() == 0:
         return y, h, mean, rstd
-    config = row_config(n_cols, MAX_FUSED_BLOCK)
+    launcher = _forward_launcher(n_cols, MAX_FUSED_BLOCK, residual is not None, bias is not None, activation,
+                                 save_stats)
+    # Unused pointer slots are None, which the launcher passes cheaper than a tensor: the branch that
+    # would read them is compiled out, and the flags that say so are in the launcher's key.
+    launcher((n_rows,), x, residual, weight, bias, y, h, mean, rstd, n_cols, eps)
+    return y, h, mean, rstd
+
+
+@functools.cache
+def _forward_launcher(n_cols: int, max_block: int, has_residual: bool, has_bias: bool, activation: str,
+                      save_stats: bool) -> Callable[..., None]:
+    """The forward kernel for rows of n_cols with its compile-time arguments and launch options, once per
+    width and flags."""
+    config = row_config(n_cols, max_block)
     kernel = _layer_norm_forward_looped_kernel if config.looped else _layer_norm_forward_kernel
     # Two block-wide reductions a row (mean, then variance) cost less over fewer warps: from 8192
     # elements a block, 64 a thread (docs/tuning/layer_norm-constants.md).
     num_warps = config.num_warps if config.block < 8192 else config.block // 2048
-    # Unused pointer slots get `x`: the branch that would read them is compiled out.
-    launch(kernel, (n_rows,),
-        x, x if residual is None else residual, weight, x if bias is None else bias, y, x if h is None else h,
-        y if mean is None else mean, y if rstd is None else rstd, n_cols, eps,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, ACTIVATION=activation, STORE_STATS=save_stats,
-        BLOCK=config.block, num_warps=num_warps,
-    )
-    return y, h, mean, rstd
+    return prepare(kernel, HAS_RESIDUAL=has_residual, HAS_BIAS=has_bias, ACTIVATION=activation,
+                   STORE_STATS=save_stats, BLOCK=config.block, num_warps=num_warps)
 
 
 def layer_norm_backward(

@@ -10,12 +10,15 @@ step (docs/tuning/linear-constants.md); the gate/up projections, which fill the 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
@@ -104,14 +107,18 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     x_shape = x.shape
     y = x.new_empty(*x_shape[:-1], n)  # x's dtype and device
-    block_n, block_k = gemv_blocks(k)
-    pdl = use_pdl(x.device)
-    launch(_gemv_kernel, (cdiv(n, block_n),),
-        x, weight, weight if bias is None else bias, y, n, k, weight.stride()[0],
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl,
-    )
+    grid, launcher = _gemv_launcher(n, k, bias is not None, use_pdl(x.device))
+    launcher(grid, x, weight, bias, y, n, k, weight.stride()[0])  # no bias: None, compiled out with HAS_BIAS
     return y
+
+
+@functools.cache
+def _gemv_launcher(n: int, k: int, has_bias: bool, pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
+    """(grid, the kernel with its compile-time arguments and launch options) for a weight [n, k], once per shape."""
+    block_n, block_k = gemv_blocks(k)
+    return (cdiv(n, block_n),), prepare(
+        _gemv_kernel, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
+        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,11 +7,14 @@ and h, where the unfused pair reads h back.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.residual import load_input_row
@@ -168,16 +171,22 @@ def rms_norm_forward(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if save_rstd else None
     if n_rows == 0:  # no elements
         return y, h, rstd
-    config = row_config(n_cols, MAX_FUSED_BLOCK)
-    kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
-    pdl = use_pdl(x.device)
-    # Unused pointer slots get `x`: the branch that would read them is compiled out.
-    launch(kernel, (n_rows,),
-        x, x if residual is None else residual, weight, y, x if h is None else h, y if rstd is None else rstd,
-        n_cols, eps, HAS_RESIDUAL=residual is not None, STORE_RSTD=save_rstd,
-        BLOCK=config.block, USE_PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
-    )
+    launcher = _forward_launcher(n_cols, MAX_FUSED_BLOCK, residual is not None, save_rstd, use_pdl(x.device))
+    # Unused pointer slots are None, which the launcher passes cheaper than a tensor: the branch that
+    # would read them is compiled out, and the flags that say so are in the launcher's key.
+    launcher((n_rows,), x, residual, weight, y, h, rstd, n_cols, eps)
     return y, h, rstd
+
+
+@functools.cache
+def _forward_launcher(n_cols: int, max_block: int, has_residual: bool, save_rstd: bool,
+                      pdl: bool) -> Callable[..., None]:
+    """The forward kernel for rows of n_cols with its compile-time arguments and launch options, once per
+    width and flags."""
+    config = row_config(n_cols, max_block)
+    kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
+    return prepare(kernel, HAS_RESIDUAL=has_residual, STORE_RSTD=save_rstd, BLOCK=config.block, USE_PDL=pdl,
+                   num_warps=config.num_warps, launch_pdl=pdl)
 
 
 def rms_norm_backward(

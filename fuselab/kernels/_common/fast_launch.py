@@ -240,7 +240,6 @@ def _new_binder(kernel: Any, grid: tuple, args: tuple, meta: dict | None = None)
     return go
 
 
-
 def launch(kernel: Any, grid: tuple, *args: Any, **meta: Any) -> None:
     """`kernel[grid](*args, **meta)`: runtime arguments by position, constexprs and options by keyword."""
     # A launch hook (a profiler's) wants the launch metadata that only Triton's path builds.
@@ -263,9 +262,8 @@ def prepare(kernel: Any, **meta: Any) -> Callable[..., None]:
     """`launch` with its keywords given once: `prepare(kernel, **meta)(grid, *args)` launches as
     `launch(kernel, grid, *args, **meta)` does, without building the keywords and hashing them into the
     key at every call (about 1.5 µs of host time for a dozen). For a launch site that keeps one per
-    configuration (`functools.cache`); the keywords are copied, so a later change to the caller's dict
-    changes nothing."""
-    meta = dict(meta)
+    configuration (`functools.cache`). `meta` is a dict of its own: a later change to a dict the caller
+    unpacked into it changes nothing."""
     binders: list[Callable[..., bool]] = []  # by argument layout, as the kernel's binders of `launch`
 
     def prepared(grid: tuple, *args: Any) -> None:

@@ -124,11 +124,16 @@ def num_splits(batch: int, kv_heads: int, max_seq_len: int, max_splits: int, dev
 def store_kv_launch(k, v, k_cache, v_cache, slot_mapping) -> None:
     k_shape, cache_shape, k_cache_stride, v_cache_stride = k.shape, k_cache.shape, k_cache.stride(), v_cache.stride()
     token_width = k_shape[1] * k_shape[2]
-    launch(_store_kv_kernel, (k_shape[0],),
+    _store_kv_launcher(cache_shape[1], token_width)((k_shape[0],),
         k, v, k_cache, v_cache, slot_mapping, k.stride()[0], v.stride()[0], k_cache_stride[0], k_cache_stride[1],
         v_cache_stride[0], v_cache_stride[1], token_width, cache_shape[0] * cache_shape[1],
-        PAGE_SIZE=cache_shape[1], BLOCK=next_power_of_2(token_width), num_warps=4,
     )
+
+
+@functools.cache
+def _store_kv_launcher(page_size: int, token_width: int) -> Callable[..., None]:
+    """The store kernel with its compile-time arguments and launch options, once per cache block and token."""
+    return prepare(_store_kv_kernel, PAGE_SIZE=page_size, BLOCK=next_power_of_2(token_width), num_warps=4)
 
 
 @functools.cache
@@ -149,7 +154,8 @@ def _dense_decode_launcher(group: int, head_dim: int, page_size: int, dtype: tor
                            cfg: DecodeConfig, pdl: bool) -> Callable[..., None]:
     """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config
     (merging in the launch where there are several splits)."""
-    return prepare(_dense_decode_kernel, **_decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1))
+    meta = _decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1)
+    return prepare(_dense_decode_kernel, **meta)
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
@@ -352,16 +358,23 @@ def store_kv(
     on the host first, a sync, and raises ValueError naming a slot outside the cache or repeated."""
     if not store_inputs_ok(k, v, k_cache, v_cache, slot_mapping):
         check_store_inputs(k, v, k_cache, v_cache, slot_mapping)  # the checks one by one, which name what is wrong
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(2) != t.shape[3]:
-            raise ValueError(f"{name} must hold each slot's heads side by side (stride {t.shape[3]} on dim 2), "
-                             f"got strides {t.stride()}")
+    cache_shape = k_cache.shape
+    head_dim = cache_shape[3]
+    if k_cache.stride()[2] != head_dim or v_cache.stride()[2] != head_dim:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.stride(2) != head_dim:
+                raise ValueError(f"{name} must hold each slot's heads side by side (stride {head_dim} on dim 2), "
+                                 f"got strides {t.stride()}")
     if indices.requested(check_indices, k_cache.device):
-        indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
+        indices.check_slot_mapping(slot_mapping, cache_shape[0], cache_shape[1])
     if k.shape[0] == 0:
         return
     # Each token's heads must be one contiguous run (true of a slice of a fused qkv projection).
-    k, v = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in (k, v))
+    k_stride, v_stride = k.stride(), v.stride()
+    if k_stride[2] != 1 or k_stride[1] != head_dim:
+        k = k.contiguous()
+    if v_stride[2] != 1 or v_stride[1] != head_dim:
+        v = v.contiguous()
     store_kv_launch(k, v, k_cache, v_cache, slot_mapping.contiguous())
 
 
@@ -406,26 +419,30 @@ def decode_attention(
     if not dense and not _decode_inputs_ok(q, k_cache, v_cache, block_tables, seq_lens):
         _check_decode_inputs(q, k_cache, v_cache, block_tables, seq_lens)  # one by one, naming what is wrong
     batch, heads, head_dim = q.shape
-    device = q.device
-    if counters is not None and not counters_ok(counters, batch * k_cache.shape[2], device):
-        check_counters(counters, batch * k_cache.shape[2], device)
-    if isinstance(max_splits, bool) or not isinstance(max_splits, int) or max_splits < 1:
+    cache_shape, device = k_cache.shape, q.device
+    kv_heads = cache_shape[2]
+    if counters is not None and not counters_ok(counters, batch * kv_heads, device):
+        check_counters(counters, batch * kv_heads, device)
+    # `type(...) is int` first: the common case in one test (a bool, or another type, takes the full one).
+    if (type(max_splits) is not int and (isinstance(max_splits, bool) or not isinstance(max_splits, int))
+            or max_splits < 1):
         raise ValueError(f"max_splits must be a positive int, got {max_splits!r}")
     if max_seq_len is None:
-        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
-    elif isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 0:
+        max_seq_len = block_tables.shape[1] * cache_shape[1]
+    elif (type(max_seq_len) is not int and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int))
+            or max_seq_len < 0):
         raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
-    scale = resolve_scale(scale, head_dim)
+    scale = resolve_scale(scale, head_dim)  # a float
     if indices.requested(check_indices, device):
-        indices.check_paged_context(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
+        indices.check_paged_context(block_tables, seq_lens, cache_shape[0], cache_shape[1])
     if batch == 0:
         return torch.empty_like(q)
-    splits = num_splits(batch, k_cache.shape[2], max_seq_len, max_splits, device)
+    splits = num_splits(batch, kv_heads, max_seq_len, max_splits, device)
     if dense and (splits == 1 or counters is not None):
-        return dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, float(scale), splits, counters)
+        return dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters)
     if q.stride()[2] != 1:
         q = q.contiguous()
-    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale), splits,
+    return decode_launch(q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale, splits,
                          counters)
 
 
