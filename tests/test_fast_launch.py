@@ -339,16 +339,33 @@ def _bound_entries():
     return [b for binders in fast_launch._binders.values() for go in binders for b in go.specializations.values()]
 
 
+def _triton_path_launches(monkeypatch, fn):
+    """(fn(), how many of its launches went through Triton's own path, JITFunction.run)."""
+    from triton.runtime.jit import JITFunction
+
+    real, count = JITFunction.run, [0]
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    try:
+        return fn(), count[0]
+    finally:
+        monkeypatch.setattr(JITFunction, "run", real)
+
+
 def _stock_and_fast(monkeypatch, fn):
-    """fn() through Triton's launcher, then twice through the bound one (the first call binds)."""
+    """fn() through Triton's launcher, then twice through the bound one (the first call binds). The
+    launches of `launch` and of `prepare`'s launchers count alike: by Triton's path, which they avoid."""
     monkeypatch.setattr(fast_launch, "FAST", False)
-    expected = fn()
+    expected, stock = _triton_path_launches(monkeypatch, fn)
     monkeypatch.setattr(fast_launch, "FAST", True)
     fn()
-    bound_before = sum(b is not None for b in _bound_entries())
-    got = fn()
+    got, unbound = _triton_path_launches(monkeypatch, fn)
     torch.cuda.synchronize()
-    assert bound_before > 0, "nothing was bound: every launch went through Triton"
+    assert unbound < stock, "nothing was bound: every launch went through Triton"
     return expected, got
 
 
