@@ -44,6 +44,7 @@ import triton.language as tl
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.split_k import reduce_splits
+from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
@@ -113,12 +114,8 @@ def _gemm_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows = tl.minimum(rows, N - 1)
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = ms < M
-    ms = tl.minimum(ms, M - 1)
+    rows, row_ok = clamped_rows(pid_n, BLOCK_N, N)
+    ms, m_ok = clamped_rows(pid_m, BLOCK_M, M)
     cols = tl.arange(0, BLOCK_W)
     if FORMAT == 0:
         blocks = tl.arange(0, BLOCKS)
@@ -242,12 +239,8 @@ def _gemm_int4_wide_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows = tl.minimum(rows, N - 1)
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = ms < M
-    ms = tl.minimum(ms, M - 1)
+    rows, row_ok = clamped_rows(pid_n, BLOCK_N, N)
+    ms, m_ok = clamped_rows(pid_m, BLOCK_M, M)
     blocks = tl.arange(0, BLOCKS)
     words = blocks[:, None] * 16 + tl.arange(0, 16)[None, :]
     w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + words[None, :, :]

@@ -49,6 +49,7 @@ import triton.language as tl
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.split_k import reduce_splits
+from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import _FORMAT_IDS
 from fuselab.kernels.quant_pack import FP8_MAX, QuantizedWeight
@@ -168,12 +169,8 @@ def _w8a8_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows = tl.minimum(rows, N - 1)
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = ms < M
-    ms = tl.minimum(ms, M - 1)
+    rows, row_ok = clamped_rows(pid_n, BLOCK_N, N)
+    ms, m_ok = clamped_rows(pid_m, BLOCK_M, M)
     ks = tl.arange(0, BLOCK_K)
     # The packed int32 words read as their bytes: code j of word i is byte 4·i + j (little-endian);
     # int8's unsigned (q + 128), fp8's e4m3.

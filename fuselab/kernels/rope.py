@@ -97,6 +97,18 @@ def _copy_heads(
 
 
 @triton.jit
+def cos_sin_at(cos_sin_ptr, pos, max_pos, row_stride, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """(cos, sin) [1, BLOCK_HALF] fp32 of position `pos` from the table's row (cos then sin, HALF each);
+    NaN for a position outside the table, so that a bad position shows in the output."""
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    in_cache = (pos >= 0) & (pos < max_pos)
+    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * row_stride
+    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
+    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
+    return tl.where(in_cache, cos, float("nan")), tl.where(in_cache, sin, float("nan"))
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, q_stride_b, q_stride_s, q_stride_h,
     k_ptr, k_stride_b, k_stride_s, k_stride_h,
@@ -124,13 +136,7 @@ def _rope_kernel(
     s = token % seq_len
     pos = tl.load(positions_ptr + b * positions_stride_b + s * positions_stride_s).to(tl.int64)
 
-    pairs = tl.arange(0, BLOCK_HALF)[None, :]
-    in_cache = (pos >= 0) & (pos < max_pos)
-    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * cos_sin_stride
-    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
-    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
-    cos = tl.where(in_cache, cos, float("nan"))
-    sin = tl.where(in_cache, sin, float("nan"))
+    cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, cos_sin_stride, HALF, BLOCK_HALF)
     if INVERSE:
         sin = -sin
 
@@ -184,13 +190,7 @@ def _rope_decode_kernel(
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_HALF)[None, :]
-    in_cache = (pos >= 0) & (pos < max_pos)
-    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * (2 * HALF)
-    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
-    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
-    cos = tl.where(in_cache, cos, float("nan"))
-    sin = tl.where(in_cache, sin, float("nan"))
+    cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)
     q_out = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
     _rotate_heads(
         q_ptr + token * q_stride_t, HEAD_DIM, q_out, HEAD_DIM, N_Q_HEADS, cos, sin, q_out, 0, False,

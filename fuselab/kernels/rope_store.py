@@ -22,6 +22,7 @@ from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.validate import FLOAT_DTYPES, needs_autograd, on_kernel_device
+from fuselab.kernels.rope import cos_sin_at
 from fuselab.kernels.attention.paged_attention import check_store_inputs, store_inputs_ok
 from fuselab.kernels.rope import (
     _MANY_TOKENS,
@@ -52,13 +53,7 @@ def _rope_store_kernel(
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_HALF)[None, :]
-    in_cache = (pos >= 0) & (pos < max_pos)
-    cos_sin_row = cos_sin_ptr + tl.where(in_cache, pos, 0) * (2 * HALF)
-    cos = tl.load(cos_sin_row + pairs, mask=pairs < HALF).to(tl.float32)
-    sin = tl.load(cos_sin_row + HALF + pairs, mask=pairs < HALF).to(tl.float32)
-    cos = tl.where(in_cache, cos, float("nan"))
-    sin = tl.where(in_cache, sin, float("nan"))
+    cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)
     _rotate_heads(
         q_ptr + token * q_stride_t, HEAD_DIM, q_out_ptr + token * (N_Q_HEADS * HEAD_DIM), HEAD_DIM,
         N_Q_HEADS, cos, sin, q_out_ptr, 0, False,
