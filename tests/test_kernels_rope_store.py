@@ -170,6 +170,45 @@ def test_bad_inputs_name_the_argument(device):
             rope_and_store_kv(**kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tokens, padding, strided_caches", [(1, (), False), (5, (2,), False), (3, (), True)])
+def test_inplace_is_the_same_bits_written_over_q_and_k(device, dtype, layout, tokens, padding, strided_caches):
+    q, k, v, positions, slots, k_cache, v_cache = _step(tokens, 4, 2, 16, dtype, device, padding=padding)
+    if strided_caches:  # not the decode layout: the general kernel, then copied back
+        kv = torch.randn(4, 2, BLOCK_SIZE, 2, 16, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+    cos_sin = rope_cos_sin(MAX_POS, 12, device=device)  # partial rotary: the pass-through dims too
+    k_cache2, v_cache2 = k_cache.clone(), v_cache.clone()
+    expected_q, expected_k = rope_and_store_kv(q, k, v, positions, cos_sin, k_cache2, v_cache2, slots, layout)
+    v_before = v.clone()
+    got_q, got_k = rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots, layout, inplace=True)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    assert got_q.stride() == q.stride() and got_k.stride() == k.stride()
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(v, v_before)
+    assert torch.equal(k_cache, k_cache2) and torch.equal(v_cache, v_cache2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_inplace_refuses_inputs_that_share_memory(device, tokens):
+    q, k, v, positions, slots, k_cache, v_cache = _step(tokens, 2, 2, 8, torch.float32, device)
+    cos_sin = rope_cos_sin(MAX_POS, 8, device=device)
+    qkv = torch.randn(tokens, 2, 8, device=device)  # q and k one tensor
+    shifted = torch.randn(tokens, 5, 8, device=device)  # k's heads start inside q's
+    separate = torch.randn(tokens, 2, 8, device=device), torch.randn(tokens, 2, 8, device=device)
+    for q_in, k_in, v_in in ((qkv, qkv, v), (q, k, k), (shifted[:, :2], shifted[:, 1:3], shifted[:, 3:5])):
+        q0, k0 = q_in.clone(), k_in.clone()
+        with pytest.raises(ValueError, match="inplace=True needs q, k and v in separate memory"):
+            rope_and_store_kv(q_in, k_in, v_in, positions, cos_sin, k_cache, v_cache, slots, inplace=True)
+        assert torch.equal(q_in, q0) and torch.equal(k_in, k0)  # nothing written before the refusal
+    # Separate tensors and views of one projection are taken.
+    rope_and_store_kv(*separate, v, positions, cos_sin, k_cache, v_cache, slots, inplace=True)
+    rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots, inplace=True)
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots, inplace="yes")
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     tokens=st.integers(1, 6),

@@ -74,6 +74,13 @@ def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return kernels.silu_and_mul(kernels.linear(x, weight))
 
 
+def _fused_rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    # One token (batch-1 decode, which the host's launches bound): q and k rotated where they lie, in the
+    # qkv projection's output, which nothing else reads: two allocations fewer a layer.
+    return kernels.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                     inplace=q.shape[0] == 1)
+
+
 EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
@@ -90,7 +97,7 @@ FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
     gate_up_swiglu=_fused_gate_up_swiglu,
-    rope_and_store_kv=kernels.rope_and_store_kv,
+    rope_and_store_kv=_fused_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
         q, k, v, cu, max_len, True, scale),
     # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes

@@ -21,7 +21,7 @@ import triton.language as tl
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import use_pdl
-from fuselab.kernels._common.validate import FLOAT_DTYPES, needs_autograd, on_kernel_device
+from fuselab.kernels._common.validate import FLOAT_DTYPES, check_flag, needs_autograd, on_kernel_device
 from fuselab.kernels.rope import cos_sin_at
 from fuselab.kernels.attention.paged_attention import check_store_inputs, store_inputs_ok
 from fuselab.kernels.rope import (
@@ -44,19 +44,28 @@ def _rope_store_kernel(
     N_Q_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_V_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    IN_PLACE: tl.constexpr = False,
 ):
     # _rope_kernel with the store, for the layout a decode step has (_decode_layout_ok): heads HEAD_DIM
     # apart in q, k and v, dense outputs, caches, positions, slots and cos/sin table. Every stride but
     # the tokens' follows from the constexprs, so a launch passes 15 arguments instead of 39 (each
     # costs host time in the launcher). A dense cache's slot s starts at element s · kv_heads · head_dim.
+    # IN_PLACE: the rotated q and k overwrite the inputs (q_out_ptr and k_out_ptr are not read); each
+    # element is loaded and stored by the same thread, and a program touches its own token only.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)
+    q_src, k_src = q_ptr + token * q_stride_t, k_ptr + token * k_stride_t
+    if IN_PLACE:
+        q_dst, k_dst = q_src, k_src
+    else:
+        q_dst = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
+        k_dst = k_out_ptr + token * (N_KV_HEADS * HEAD_DIM)
     _rotate_heads(
-        q_ptr + token * q_stride_t, HEAD_DIM, q_out_ptr + token * (N_Q_HEADS * HEAD_DIM), HEAD_DIM,
-        N_Q_HEADS, cos, sin, q_out_ptr, 0, False,
+        q_src, HEAD_DIM, q_dst, HEAD_DIM,
+        N_Q_HEADS, cos, sin, q_dst, 0, False,
         HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
     )
     # Slot -1 (padding) or one outside the cache: rotated into the outputs, nothing stored.
@@ -65,7 +74,7 @@ def _rope_store_kernel(
     n_cache_heads = tl.where(stored, N_KV_HEADS, 0)
     cache_offset = tl.where(stored, slot, 0) * (N_KV_HEADS * HEAD_DIM)
     _rotate_heads(
-        k_ptr + token * k_stride_t, HEAD_DIM, k_out_ptr + token * (N_KV_HEADS * HEAD_DIM), HEAD_DIM,
+        k_src, HEAD_DIM, k_dst, HEAD_DIM,
         N_KV_HEADS, cos, sin, k_cache_ptr + cache_offset, HEAD_DIM, n_cache_heads,
         HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, True,
     )
@@ -75,29 +84,35 @@ def _rope_store_kernel(
 
 @functools.cache
 def _rope_store_launcher(head_dim: int, rotary_dim: int, q_heads: int, kv_heads: int, interleaved: bool,
-                         many_tokens: bool, pdl: bool) -> Callable[..., None]:
+                         many_tokens: bool, pdl: bool, in_place: bool) -> Callable[..., None]:
     """_rope_store_kernel with its compile-time arguments and launch options, once per shape."""
     meta = _rope_meta(head_dim, rotary_dim, q_heads, kv_heads, interleaved, False, kv_heads, 1, many_tokens)
     return prepare(_rope_store_kernel, N_Q_HEADS=q_heads, N_KV_HEADS=kv_heads, HALF=meta["HALF"],
                    BLOCK_HALF=meta["BLOCK_HALF"], BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"],
                    BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim, BLOCK_PASS=meta["BLOCK_PASS"],
                    INTERLEAVED=interleaved, BLOCK_V_HEADS=meta["BLOCK_V_HEADS"], BLOCK_D=meta["BLOCK_D"],
-                   USE_PDL=pdl, launch_pdl=pdl)
+                   USE_PDL=pdl, IN_PLACE=in_place, launch_pdl=pdl)
 
 
-def _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleaved: bool):
+def _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, interleaved: bool,
+                       inplace: bool):
     """rope_and_store_kv's launch for inputs of the decode layout (_decode_layout_ok)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    q_out, k_out = q.new_empty(tokens, q_heads, head_dim), k.new_empty(tokens, kv_heads, head_dim)
+    if inplace:
+        q_out, k_out = q, k
+    else:
+        q_out, k_out = q.new_empty(tokens, q_heads, head_dim), k.new_empty(tokens, kv_heads, head_dim)
     if tokens == 0:
         return q_out, k_out
     cache_shape, cos_sin_shape = k_cache.shape, cos_sin.shape
     pdl = use_pdl(q.device)
     launcher = _rope_store_launcher(head_dim, cos_sin_shape[1], q_heads, kv_heads, interleaved, tokens >= _MANY_TOKENS,
-                                    pdl)
+                                    pdl, inplace)
+    # In place the output pointers are not read: None costs the launcher less than a tensor.
     launcher((tokens,),
-        q, k, v, q_out, k_out, positions, cos_sin, slot_mapping, k_cache, v_cache,
+        q, k, v, None if inplace else q_out, None if inplace else k_out, positions, cos_sin, slot_mapping,
+        k_cache, v_cache,
         q.stride()[0], k.stride()[0], v.stride()[0], cos_sin_shape[0], cache_shape[0] * cache_shape[1],
     )
     return q_out, k_out
@@ -166,6 +181,7 @@ def rope_and_store_kv(
     slot_mapping: torch.Tensor,
     layout: str = "rotate_half",
     *,
+    inplace: bool = False,
     check_indices: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`apply_rope` and `store_kv` in one launch: rotates q [tokens, q_heads, head_dim] and
@@ -176,6 +192,10 @@ def rope_and_store_kv(
     of one fused projection (unit last stride). The caches must have k's and v's dtype.
     check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
     and slot_mapping on the host first, as apply_rope and store_kv do.
+
+    inplace=True rotates q and k where they lie and returns them: no new tensors, two allocations
+    fewer a call (what an engine wants of the projection's output, read by nothing else). q, k and v
+    must not share memory then (views of one projection do not); a ValueError says so if they do.
 
     Inference only: it writes the cache and records no gradients, so it refuses inputs that
     require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
@@ -191,11 +211,53 @@ def rope_and_store_kv(
             "rope_and_store_kv is not differentiable (it is for inference): q, k or v requires grad; "
             "call it under torch.no_grad() or torch.inference_mode(), or use apply_rope and store_kv"
         )
+    if inplace is not False:
+        check_flag("inplace", inplace)
+        # One token of the decode layout (an engine's batch-1 step) needs its three runs' pointers only.
+        if not (_one_token_apart(q, k, v) if decode_layout and q.shape[0] == 1 else _separate(q, k, v)):
+            raise ValueError("inplace=True needs q, k and v in separate memory (views of one projection are): "
+                             "rotating q or k in place would change another input")
     if indices.requested(check_indices, q.device):
         indices.check_positions(positions, cos_sin.shape[0])
         indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
     if decode_layout:
         return _launch_rope_store(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                  layout == "interleaved")
-    return _launch_rope(q, k, positions, cos_sin, layout == "interleaved", inverse=False,
-                        store=(v, k_cache, v_cache, slot_mapping))
+                                  layout == "interleaved", inplace)
+    q_out, k_out = _launch_rope(q, k, positions, cos_sin, layout == "interleaved", inverse=False,
+                                store=(v, k_cache, v_cache, slot_mapping))
+    if inplace:  # other layouts: out of place, then copied back
+        return q.copy_(q_out), k.copy_(k_out)
+    return q_out, k_out
+
+
+def _one_token_apart(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """_separate for one token of the decode layout (k and v alike, each token's heads one dense run)."""
+    q_shape, k_shape, size = q.shape, k.shape, q.element_size()
+    q_run, kv_run = q_shape[1] * q_shape[2] * size, k_shape[1] * k_shape[2] * size
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    return ((qp + q_run <= kp or kp + kv_run <= qp) and (qp + q_run <= vp or vp + kv_run <= qp)
+            and (kp + kv_run <= vp or vp + kv_run <= kp))
+
+
+def _separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether no two of q, k, v [tokens, heads, head_dim] share an element, for inputs whose heads are
+    head_dim apart with a unit last stride (each token's heads one dense run): their extents are apart
+    (separate tensors), or, as views of one projection, they step by one token stride and their runs
+    lie apart within it. Anything else is refused, sharing or not."""
+    size, tokens = q.element_size(), q.shape[0]
+    extents = []
+    for t in (q, k, v):
+        shape, stride = t.shape, t.stride()
+        if stride[2] != 1 or stride[1] != shape[2] or t.element_size() != size:
+            return False
+        run = shape[1] * shape[2] * size
+        extents.append((t.data_ptr(), run, t.data_ptr() + (tokens - 1) * stride[0] * size + run))
+    extents.sort()
+    (a, _, a_end), (b, _, b_end), (c, c_run, _) = extents
+    if a_end <= b and b_end <= c:
+        return True
+    # Interleaved extents: each token's three runs must fit, apart, within one common token stride.
+    token_bytes = q.stride()[0] * size
+    runs_apart = extents[0][0] + extents[0][1] <= b and b + extents[1][1] <= c
+    return (runs_apart and k.stride()[0] * size == token_bytes == v.stride()[0] * size
+            and c + c_run - a <= token_bytes)
