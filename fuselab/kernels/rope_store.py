@@ -195,7 +195,8 @@ def rope_and_store_kv(
 
     inplace=True rotates q and k where they lie and returns them: no new tensors, two allocations
     fewer a call (what an engine wants of the projection's output, read by nothing else). q, k and v
-    must not share memory then (views of one projection do not); a ValueError says so if they do.
+    must not share memory then and need their heads head_dim apart (views of one projection are so);
+    a ValueError says so otherwise.
 
     Inference only: it writes the cache and records no gradients, so it refuses inputs that
     require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
@@ -215,8 +216,8 @@ def rope_and_store_kv(
         check_flag("inplace", inplace)
         # One token of the decode layout (an engine's batch-1 step) needs its three runs' pointers only.
         if not (_one_token_apart(q, k, v) if decode_layout and q.shape[0] == 1 else _separate(q, k, v)):
-            raise ValueError("inplace=True needs q, k and v in separate memory (views of one projection are): "
-                             "rotating q or k in place would change another input")
+            raise ValueError("inplace=True needs q, k and v in separate memory, each with its heads head_dim apart "
+                             "(views of one projection are): rotating q or k in place could change another input")
     if indices.requested(check_indices, q.device):
         indices.check_positions(positions, cos_sin.shape[0])
         indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
