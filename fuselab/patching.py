@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fuselab.kernels import apply_rope, rms_norm, swiglu
-from fuselab.kernels._common.validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE
+from fuselab.kernels._common.validate import FLOAT_DTYPES, KERNEL_DEVICE_TYPE, needs_autograd
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _SILU_ACTIVATIONS = ("silu", "swish")
@@ -150,7 +150,10 @@ def _fused_rotary(q, k, cos, sin):
     # cos/sin shared by every batch (position_ids [1, T]): apply_rope takes [seq] positions for that.
     positions = _token_positions(cos_batch if cos_batch == q.shape[0] else None, seq, q.device)
     # HF's q/k are [B, T, H, D] projections seen as [B, H, T, D]: hand the kernel the former.
-    q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), positions, cos_sin)
+    # In place where no gradient is wanted: the attention forwards of SUPPORTED_MODEL_TYPES read only
+    # the rotated q and k this returns, never the projections' outputs before it.
+    q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), positions, cos_sin,
+                              inplace=not needs_autograd(q, k))
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 

@@ -263,3 +263,66 @@ def test_other_layouts_take_the_general_kernel(device, monkeypatch):
     assert_close(apply_rope(q[0], k[0], positions[0], wide_cos_sin)[1],
                  reference.apply_rope(q[0].double(), k[0].double(), positions[0], wide_cos_sin.double())[1],
                  torch.float32)
+
+
+def _projection_views(leading, q_heads, k_heads, head_dim, dtype, device, seed=0):
+    """q and k views of one projection output [..., (q + 2 kv heads) · head_dim], as a model's."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(*leading, (q_heads + 2 * k_heads) * head_dim, generator=g).to(dtype).to(device)
+    q = qkv[..., : q_heads * head_dim].view(*leading, q_heads, head_dim)
+    k = qkv[..., q_heads * head_dim : (q_heads + k_heads) * head_dim].view(*leading, k_heads, head_dim)
+    return q, k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("leading", [(1,), (5,), (2, 3), (1, 1)])
+def test_inplace_is_the_same_bits_written_over_q_and_k(device, dtype, layout, leading):
+    q, k = _projection_views(leading, 4, 2, 16, dtype, device)
+    positions = torch.randint(0, MAX_POS, leading, generator=torch.Generator().manual_seed(1)).to(device)
+    cos_sin = rope_cos_sin(MAX_POS, 12, device=device)  # partial rotary: the pass-through dims too
+    expected_q, expected_k = apply_rope(q, k, positions, cos_sin, layout)
+    got_q, got_k = apply_rope(q, k, positions, cos_sin, layout, inplace=True)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+def test_inplace_of_other_layouts_copies_back(device, monkeypatch):
+    q, k, positions = _qk((2, 5), 4, 2, 16, torch.float32, device)
+    q, k = q.transpose(1, 2).contiguous().transpose(1, 2), k.transpose(1, 2).contiguous().transpose(1, 2)
+    cos_sin = rope_cos_sin(MAX_POS, 16, device=device)
+    expected = apply_rope(q, k, positions, cos_sin)
+    monkeypatch.setattr(rope_module, "_launch_rope_decode", None)  # not the decode layout's kernel
+    got = apply_rope(q, k, positions, cos_sin, inplace=True)
+    assert got[0] is q and got[1] is k
+    assert torch.equal(q, expected[0]) and torch.equal(k, expected[1])
+
+
+def test_inplace_refuses_shared_memory_gradients_and_non_bools(device):
+    q, k, positions = _qk((3,), 2, 2, 8, torch.float32, device)
+    cos_sin = rope_cos_sin(MAX_POS, 8, device=device)
+    shifted = torch.randn(3, 5, 8, device=device)  # k's heads start inside q's
+    for q_in, k_in in ((q, q), (shifted[:, :2], shifted[:, 1:3]), (q, q[:, :1])):
+        q0, k0 = q_in.clone(), k_in.clone()
+        with pytest.raises(ValueError, match="inplace=True needs q and k in separate memory"):
+            apply_rope(q_in, k_in, positions, cos_sin, inplace=True)
+        assert torch.equal(q_in, q0) and torch.equal(k_in, k0)  # nothing written before the refusal
+    one = torch.randn(1, 5, 8, device=device)  # one token: its own test of the two runs
+    with pytest.raises(ValueError, match="inplace=True needs q and k in separate memory"):
+        apply_rope(one[:, :2], one[:, 1:3], positions[:1], cos_sin, inplace=True)
+    apply_rope(one[:, :2], one[:, 2:4], positions[:1], cos_sin, inplace=True)
+    apply_rope(shifted[:, :2], shifted[:, 2:4], positions, cos_sin, inplace=True)  # apart within each token
+    with pytest.raises(RuntimeError, match="records no gradients"):
+        apply_rope(q.clone().requires_grad_(True), k, positions, cos_sin, inplace=True)
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        apply_rope(q, k, positions, cos_sin, inplace=1)
+
+
+def test_tokens_apart_for_batched_views(device):
+    qkv = torch.randn(2, 3, 8 * 4, device=device)
+    q, k = qkv[..., :16].view(2, 3, 2, 8), qkv[..., 16:24].view(2, 3, 1, 8)
+    assert rope_module.tokens_apart(q, k)
+    assert not rope_module.tokens_apart(q, qkv[..., 8:16].view(2, 3, 1, 8))  # k inside q's heads
+    # Batches not seq tokens apart: the runs of one token stride say nothing about them.
+    wide = torch.randn(2, 4, 8 * 4, device=device)[:, :3]
+    assert not rope_module.tokens_apart(wide[..., :16].view(2, 3, 2, 8), wide[..., 16:24].view(2, 3, 1, 8))

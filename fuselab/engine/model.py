@@ -60,9 +60,11 @@ class Ops(NamedTuple):
     linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
     rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
     gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
-    rope_and_store_kv: Callable  # (q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> (q, k)
+    # The two ops over a layer's KV cache are bound to it once (bind_kv_cache), with its RoPE table, scale,
+    # context limit and tickets: a layer's call then passes only the step's tensors.
+    bind_rope_and_store_kv: Callable  # (cos_sin, k_cache, v_cache) -> (q, k, v, positions, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
-    decode_attention: Callable  # (q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, counters)
+    bind_decode_attention: Callable  # (k_cache, v_cache, scale, max_seq_len, counters) -> (q, tables, lens) -> o
     argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
 
 
@@ -74,22 +76,32 @@ def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return kernels.silu_and_mul(kernels.linear(x, weight))
 
 
-def _fused_rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def _bind_reference_rope_and_store_kv(cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                                      v_cache: torch.Tensor) -> Callable:
+    return lambda q, k, v, positions, slots: reference.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache,
+                                                                         v_cache, slots)
+
+
+def _bind_reference_decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, max_seq_len: int,
+                                     counters: torch.Tensor | None) -> Callable:
+    # The references keep no tickets: the counters are the kernels'.
+    return lambda q, tables, lens: reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+
+def _bind_fused_rope_and_store_kv(cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Callable:
+    bound = kernels.bind_rope_and_store_kv(cos_sin, k_cache, v_cache)
     # One token (batch-1 decode, which the host's launches bound): q and k rotated where they lie, in the
     # qkv projection's output, which nothing else reads: two allocations fewer a layer.
-    return kernels.rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                     inplace=q.shape[0] == 1)
+    return lambda q, k, v, positions, slots: bound(q, k, v, positions, slots, inplace=q.shape[0] == 1)
 
 
 EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
     gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
-    rope_and_store_kv=reference.rope_and_store_kv,
+    bind_rope_and_store_kv=_bind_reference_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
-    # The references keep no tickets: the counters are the kernels'.
-    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len, counters: reference.decode_attention(
-        q, kc, vc, bt, sl, scale),
+    bind_decode_attention=_bind_reference_decode_attention,
     argmax=lambda logits, counters: reference.argmax(logits),
 )
 
@@ -97,13 +109,13 @@ FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
     gate_up_swiglu=_fused_gate_up_swiglu,
-    rope_and_store_kv=_fused_rope_and_store_kv,
+    bind_rope_and_store_kv=_bind_fused_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
         q, k, v, cu, max_len, True, scale),
     # max_seq_len is the model's limit, not this batch's: the split count then depends on shapes
     # only, which a captured decode graph needs.
-    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len, counters: kernels.decode_attention(
-        q, kc, vc, bt, sl, scale, max_seq_len=max_len, counters=counters),
+    bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
+        kc, vc, scale, max_len, counters=counters),
     argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
 )
 
@@ -112,8 +124,8 @@ FUSED_OPS = Ops(
 # So too for decode attention: without tickets its merge is a second launch, sooner done on the GPU.
 GRAPH_OPS = FUSED_OPS._replace(
     gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
-    decode_attention=lambda q, kc, vc, bt, sl, scale, max_len, counters: kernels.decode_attention(
-        q, kc, vc, bt, sl, scale, max_seq_len=max_len))
+    bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
+        kc, vc, scale, max_len))
 
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
 EAGER_QUANT_OPS = EAGER_OPS._replace(
@@ -122,7 +134,7 @@ EAGER_QUANT_OPS = EAGER_OPS._replace(
 FUSED_QUANT_OPS = FUSED_OPS._replace(
     linear=kernels.quantized_linear,
     gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
-GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(decode_attention=GRAPH_OPS.decode_attention)
+GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention)
 
 # Each mode's ops, without and with a quantization scheme.
 _MODE_OPS = {"eager": (EAGER_OPS, EAGER_QUANT_OPS), "fused": (FUSED_OPS, FUSED_QUANT_OPS),
@@ -172,7 +184,16 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None  # decode attention's tickets, bound with the cache
+        self.rope_and_store_kv: Callable | None = None  # the two ops over the cache, bound with it
+        self.decode_attention: Callable | None = None
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial o_proj output in place
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, counters: torch.Tensor) -> None:
+        """This layer's cache [num_blocks, block_size, kv_heads, head_dim] and decode attention's tickets."""
+        self.k_cache, self.v_cache, self.counters = k_cache, v_cache, counters
+        self.rope_and_store_kv = self.ops.bind_rope_and_store_kv(self.cos_sin, k_cache, v_cache)
+        self.decode_attention = self.ops.bind_decode_attention(k_cache, v_cache, self.scale, self.max_model_len,
+                                                               counters)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         ops, tokens = self.ops, x.shape[0]
@@ -184,15 +205,13 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.normalize(q), self.k_norm.normalize(k)
-        q, k = ops.rope_and_store_kv(q, k, v, attn.positions, self.cos_sin, self.k_cache, self.v_cache,
-                                     attn.slot_mapping)
+        q, k = self.rope_and_store_kv(q, k, v, attn.positions, attn.slot_mapping)
         if attn.is_prefill:
             # Every prefill starts from an empty context (no prefix cache), so attention within the
             # new tokens is the whole of it.
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
-            o = ops.decode_attention(q, self.k_cache, self.v_cache, attn.block_tables, attn.seq_lens, self.scale,
-                                     self.max_model_len, self.counters)
+            o = self.decode_attention(q, attn.block_tables, attn.seq_lens)
         out = ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
@@ -296,8 +315,7 @@ class LlamaForCausalLM(nn.Module):
         device = k_caches[0].device
         attention_counters = torch.zeros(max_rows * k_caches[0].shape[2], dtype=torch.int32, device=device)
         for layer, k_cache, v_cache in zip(self.model.layers, k_caches, v_caches, strict=True):
-            attn = layer.self_attn
-            attn.k_cache, attn.v_cache, attn.counters = k_cache, v_cache, attention_counters
+            layer.self_attn.bind_kv_cache(k_cache, v_cache, attention_counters)
         self.argmax_counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
     def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

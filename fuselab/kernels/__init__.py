@@ -11,6 +11,7 @@ from fuselab import device as _device  # noqa: F401  (selects compiled or interp
 from fuselab.kernels._common.launch import dependent_launches
 from fuselab.kernels.add import add
 from fuselab.kernels.argmax import argmax
+from fuselab.kernels.attention.bound_decode import bind_decode_attention
 from fuselab.kernels.attention.common import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
 from fuselab.kernels.attention.flash_attention import flash_attention, flash_attention_varlen
 from fuselab.kernels.attention.paged_attention import decode_attention, store_kv
@@ -21,7 +22,7 @@ from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.linear import linear
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.rope import apply_rope, rope_cos_sin
-from fuselab.kernels.rope_store import rope_and_store_kv
+from fuselab.kernels.rope_store import bind_rope_and_store_kv, rope_and_store_kv
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
 from fuselab.kernels.quant_pack import QUANT_FORMATS, QuantizedWeight, quantize_weight
@@ -35,6 +36,8 @@ __all__ = [
     "apply_rope",
     "argmax",
     "bias_act",
+    "bind_decode_attention",
+    "bind_rope_and_store_kv",
     "cross_entropy",
     "decode_attention",
     "dependent_launches",

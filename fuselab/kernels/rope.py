@@ -5,8 +5,9 @@ every query head and every key head with it. The two layouts pair dimensions dif
 "rotate_half" (Llama, NeoX) rotates (x[i], x[i + r/2]); "interleaved" (GPT-J) rotates
 (x[2i], x[2i + 1]). With a rotary dim r below the head dim, the dims past r pass through unchanged.
 
-Out of place: the inputs are never written, and the outputs have the inputs' shapes and dtypes.
-That keeps q and k safe to save for backward elsewhere (the projections that produce them do).
+Out of place by default: the inputs are never written, and the outputs have the inputs' shapes and
+dtypes. That keeps q and k safe to save for backward elsewhere (the projections that produce them do).
+For inference, inplace=True writes the rotated q and k over the inputs (no allocations).
 Backward rotates the incoming gradients by the opposite angle: the transpose of a rotation.
 Positions outside [0, max_pos) of the cache give NaN rows instead of reading out of bounds.
 
@@ -28,7 +29,13 @@ import triton.language as tl
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import launch, prepare
 from fuselab.kernels._common.launch import next_power_of_2, use_pdl
-from fuselab.kernels._common.validate import FLOAT_DTYPES, check_float_tensor, needs_autograd, on_kernel_device
+from fuselab.kernels._common.validate import (
+    FLOAT_DTYPES,
+    check_flag,
+    check_float_tensor,
+    needs_autograd,
+    on_kernel_device,
+)
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
@@ -181,24 +188,29 @@ def _rope_decode_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, cos_sin_ptr, q_stride_t, k_stride_t, max_pos,
     N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_Q_HEADS: tl.constexpr, BLOCK_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr, IN_PLACE: tl.constexpr = False,
 ):
     # _rope_kernel for the layout a decode step has (_decode_layout_ok): token t of q and k at t · stride,
     # heads HEAD_DIM apart, dense outputs, positions and cos/sin table. So a launch passes 9 arguments
-    # instead of 39 (each costs host time in the launcher).
+    # instead of 39 (each costs host time in the launcher). IN_PLACE: the rotated q and k overwrite the
+    # inputs (the output pointers are not read); each element is loaded and stored by the same thread.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)
-    q_out = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
+    q_src, k_src = q_ptr + token * q_stride_t, k_ptr + token * k_stride_t
+    if IN_PLACE:
+        q_out, k_out = q_src, k_src
+    else:
+        q_out = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
+        k_out = k_out_ptr + token * (N_K_HEADS * HEAD_DIM)
     _rotate_heads(
-        q_ptr + token * q_stride_t, HEAD_DIM, q_out, HEAD_DIM, N_Q_HEADS, cos, sin, q_out, 0, False,
+        q_src, HEAD_DIM, q_out, HEAD_DIM, N_Q_HEADS, cos, sin, q_out, 0, False,
         HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
     )
-    k_out = k_out_ptr + token * (N_K_HEADS * HEAD_DIM)
     _rotate_heads(
-        k_ptr + token * k_stride_t, HEAD_DIM, k_out, HEAD_DIM, N_K_HEADS, cos, sin, k_out, 0, False,
+        k_src, HEAD_DIM, k_out, HEAD_DIM, N_K_HEADS, cos, sin, k_out, 0, False,
         HALF, BLOCK_HALF, BLOCK_K_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,
     )
 
@@ -287,29 +299,67 @@ def _launch_rope(q, k, positions, cos_sin, interleaved: bool, inverse: bool, sto
 
 @functools.cache
 def _rope_decode_launcher(head_dim: int, rotary_dim: int, q_heads: int, k_heads: int, interleaved: bool,
-                          many_tokens: bool, pdl: bool) -> Callable[..., None]:
+                          many_tokens: bool, pdl: bool, in_place: bool = False) -> Callable[..., None]:
     """_rope_decode_kernel with its compile-time arguments and launch options, once per shape."""
     meta = _rope_meta(head_dim, rotary_dim, q_heads, k_heads, interleaved, False, None, None, many_tokens)
     return prepare(_rope_decode_kernel, N_Q_HEADS=q_heads, N_K_HEADS=k_heads, HALF=meta["HALF"],
                    BLOCK_HALF=meta["BLOCK_HALF"], BLOCK_Q_HEADS=meta["BLOCK_Q_HEADS"],
                    BLOCK_K_HEADS=meta["BLOCK_K_HEADS"], HEAD_DIM=head_dim, BLOCK_PASS=meta["BLOCK_PASS"],
-                   INTERLEAVED=interleaved, USE_PDL=pdl, launch_pdl=pdl)
+                   INTERLEAVED=interleaved, USE_PDL=pdl, IN_PLACE=in_place, launch_pdl=pdl)
 
 
-def _launch_rope_decode(q, k, positions, cos_sin, interleaved: bool):
+def _launch_rope_decode(q, k, positions, cos_sin, interleaved: bool, inplace: bool = False):
     """apply_rope's launch for inputs of the decode layout (_decode_layout_ok)."""
     q_shape, k_shape, cos_sin_shape = q.shape, k.shape, cos_sin.shape
     tokens = q_shape[0] if len(q_shape) == 3 else q_shape[0] * q_shape[1]
     # empty_like is dense for inputs of this layout (a dense one keeps its strides, views of a projection
     # get contiguous ones): the kernel's addressing of the outputs.
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
     if tokens == 0:
         return q_out, k_out
     pdl = use_pdl(q.device)
     launcher = _rope_decode_launcher(q_shape[-1], cos_sin_shape[1], q_shape[-2], k_shape[-2], interleaved,
-                                   tokens >= _MANY_TOKENS, pdl)
-    launcher((tokens,), q, k, q_out, k_out, positions, cos_sin, q.stride()[-3], k.stride()[-3], cos_sin_shape[0])
+                                     tokens >= _MANY_TOKENS, pdl, inplace)
+    # In place the output pointers are not read: None costs the launcher less than a tensor.
+    launcher((tokens,), q, k, None if inplace else q_out, None if inplace else k_out, positions, cos_sin,
+             q.stride()[-3], k.stride()[-3], cos_sin_shape[0])
     return q_out, k_out
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, past the last byte] of the elements a tensor views."""
+    start = t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if size)
+    return start, start + (last + 1) * t.element_size()
+
+
+def _one_token_apart(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """tokens_apart for one token of the decode layout: each tensor one dense run."""
+    q_shape, k_shape, qp, kp = q.shape, k.shape, q.data_ptr(), k.data_ptr()
+    return (qp + q_shape[-2] * q_shape[-1] * q.element_size() <= kp
+            or kp + k_shape[-2] * k_shape[-1] * k.element_size() <= qp)
+
+
+def tokens_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b share no element, for tensors of the decode layout ([..., heads, head_dim], each
+    token's heads one dense run, tokens a.stride(-3) apart): their extents are apart, or, as views of one
+    projection, they step by one token stride and their runs lie apart within it. Anything else is taken
+    as sharing."""
+    if a.numel() == 0 or b.numel() == 0:
+        return True
+    (a_start, a_end), (b_start, b_end) = _extent(a), _extent(b)
+    if a_end <= b_start or b_end <= a_start:
+        return True
+    size, a_stride, b_stride, a_shape, b_shape = a.element_size(), a.stride(), b.stride(), a.shape, b.shape
+    if (size != b.element_size() or a.dim() != b.dim() or a_stride[-3] != b_stride[-3] or a_stride[-1] != 1
+            or b_stride[-1] != 1 or a_stride[-2] != a_shape[-1] or b_stride[-2] != b_shape[-1]):
+        return False
+    # [batch, seq, ...]: one run of tokens only if each batch starts seq tokens after the last.
+    if a.dim() == 4 and (a_stride[0] != a_shape[1] * a_stride[1] or b_stride[0] != b_shape[1] * b_stride[1]):
+        return False
+    a_run, b_run = a_shape[-2] * a_shape[-1] * size, b_shape[-2] * b_shape[-1] * size
+    (first, first_run), (second, second_run) = sorted(((a_start, a_run), (b_start, b_run)))
+    return first + first_run <= second and second + second_run <= first + a_stride[-3] * size
 
 
 # Integer position dtypes the one-pass check takes; any other integer dtype goes through the full checks.
@@ -422,12 +472,17 @@ def apply_rope(
     cos_sin: torch.Tensor,
     layout: str = "rotate_half",
     *,
+    inplace: bool = False,
     check_indices: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries q [tokens, q_heads, head_dim] and keys k [tokens, kv_heads, head_dim] (or
     [batch, seq, heads, head_dim]) by the angles of their `positions` (integers, any values, shaped
     like the leading dims, or [seq] for 4-D inputs), using a `cos_sin` cache [max_pos, rotary_dim]
     from `rope_cos_sin`. Returns new (q, k); differentiable in q and k, not in the cache.
+
+    inplace=True rotates q and k where they lie and returns them (two allocations fewer: for
+    inference, when nothing else reads the unrotated q and k). q and k must not share memory (a
+    ValueError says so; views of one projection are apart), and nothing may need their gradient.
 
     A position outside [0, max_pos) gives its token NaN rows, and reads nothing outside the cache.
     check_indices=True (default: the FUSELAB_CHECK_INDICES environment variable) checks positions
@@ -436,13 +491,25 @@ def apply_rope(
     decode_layout = _decode_layout_ok(q, k, positions, cos_sin, layout)
     if not decode_layout and not _inputs_ok(q, k, positions, cos_sin, layout):
         _check_inputs(q, k, positions, cos_sin, layout)  # the checks one by one, which name what is wrong
+    if inplace is not False:
+        check_flag("inplace", inplace)
+        if needs_autograd(q, k):
+            raise RuntimeError("inplace=True records no gradients, but q or k requires grad: call it under "
+                               "torch.no_grad() or torch.inference_mode(), or leave inplace=False")
+        if not (_one_token_apart(q, k) if decode_layout and q.numel() == q.shape[-2] * q.shape[-1]
+                else tokens_apart(q, k)):
+            raise ValueError("inplace=True needs q and k in separate memory: rotating one in place would change "
+                             "the other")
     if indices.requested(check_indices, q.device):
         indices.check_positions(positions, cos_sin.shape[0])
     interleaved = layout == "interleaved"
+    if decode_layout and not needs_autograd(q, k):
+        return _launch_rope_decode(q, k, positions, cos_sin, interleaved, inplace)
+    if inplace:  # other layouts: out of place, then copied back
+        q_out, k_out = _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
+        return q.copy_(q_out), k.copy_(k_out)
     if needs_autograd(q, k):
         return RopeFunction.apply(q, k, positions, cos_sin, interleaved)
-    if decode_layout:
-        return _launch_rope_decode(q, k, positions, cos_sin, interleaved)
     return _launch_rope(q, k, positions, cos_sin, interleaved, inverse=False)
 
 

@@ -21,9 +21,15 @@ import triton.language as tl
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import prepare
 from fuselab.kernels._common.launch import use_pdl
-from fuselab.kernels._common.validate import FLOAT_DTYPES, check_flag, needs_autograd, on_kernel_device
+from fuselab.kernels._common.validate import (
+    FLOAT_DTYPES,
+    check_flag,
+    check_float_tensor,
+    needs_autograd,
+    on_kernel_device,
+)
 from fuselab.kernels.rope import cos_sin_at
-from fuselab.kernels.attention.paged_attention import check_store_inputs, store_inputs_ok
+from fuselab.kernels.attention.paged_attention import _caches_ok, _check_caches, check_store_inputs, store_inputs_ok
 from fuselab.kernels.rope import (
     _MANY_TOKENS,
     _POSITION_DTYPES,
@@ -262,3 +268,98 @@ def _separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     runs_apart = extents[0][0] + extents[0][1] <= b and b + extents[1][1] <= c
     return (runs_apart and k.stride()[0] * size == token_bytes == v.stride()[0] * size
             and c + c_run - a <= token_bytes)
+
+
+_POSITION_DTYPE_SET = frozenset(_POSITION_DTYPES)
+_INT32 = torch.int32
+
+
+class BoundRopeAndStoreKV:
+    """`rope_and_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, layout,
+    inplace=inplace)` as `bound(q, k, v, positions, slot_mapping, inplace=False)`; made by
+    `bind_rope_and_store_kv`."""
+
+    def __init__(self, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        check_float_tensor("cos_sin", cos_sin)
+        shape = cos_sin.shape
+        if len(shape) != 2 or shape[1] % 2 or shape[1] == 0 or cos_sin.stride()[-1] != 1:
+            raise ValueError(f"cos_sin must be [max_pos, rotary_dim] with an even rotary_dim and a contiguous last "
+                             f"dimension, got shape {tuple(shape)}")
+        if not _caches_ok(k_cache, v_cache):
+            _check_caches(k_cache, v_cache)
+        if cos_sin.device != k_cache.device:
+            raise ValueError(f"cos_sin is on {cos_sin.device} but k_cache is on {k_cache.device}")
+        self.cos_sin, self.k_cache, self.v_cache, self.layout = cos_sin, k_cache, v_cache, layout
+        _, _, self._kv_heads, self._head_dim = k_cache.shape
+        self._dtype, self._device, self._device_index = k_cache.dtype, k_cache.device, k_cache.get_device()
+        # The decode layout's kernel also needs every bound tensor dense; else each call takes the general path.
+        self._dense = (cos_sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                       and shape[1] <= self._head_dim)
+        self._num_slots = k_cache.shape[0] * k_cache.shape[1]
+        self._launchers: dict[tuple, Callable[..., None]] = {}
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_and_store_kv of these q, k, v [tokens, heads, head_dim] into the bound cache."""
+        if (self._dense and isinstance(q, _Tensor) and isinstance(k, _Tensor) and isinstance(v, _Tensor)
+                and isinstance(positions, _Tensor) and isinstance(slot_mapping, _Tensor)
+                and (inplace is False or inplace is True) and not indices.CHECK_BY_DEFAULT):
+            q_shape, k_shape, pdl = q.shape, k.shape, use_pdl(self._device)
+            launcher = self._launchers.get((q_shape, k_shape, pdl, inplace))
+            if launcher is None:
+                launcher = self._launcher(q, k, v, positions, slot_mapping, pdl, inplace)
+            if launcher is not None:
+                dtype, head_dim, device = self._dtype, self._head_dim, self._device_index
+                q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
+                tokens = q_shape[:1]
+                # The launcher's shapes were checked when it was made: what is left is what a shape does not say.
+                if (q.dtype is dtype and k.dtype is dtype and v.dtype is dtype and v.shape == k_shape
+                        and q_stride[2] == 1 and k_stride[2] == 1 and v_stride[2] == 1 and q_stride[1] == head_dim
+                        and k_stride[1] == head_dim and v_stride[1] == head_dim
+                        and positions.dtype in _POSITION_DTYPE_SET and slot_mapping.dtype is _INT32
+                        and positions.shape == tokens and slot_mapping.shape == tokens
+                        and positions.is_contiguous() and slot_mapping.is_contiguous()
+                        and on_kernel_device(q) and on_kernel_device(k) and on_kernel_device(v)
+                        and on_kernel_device(positions) and on_kernel_device(slot_mapping)
+                        and q.get_device() == device and k.get_device() == device and v.get_device() == device
+                        and positions.get_device() == device and slot_mapping.get_device() == device
+                        and not needs_autograd(q, k, v)
+                        and (not inplace or (_one_token_apart(q, k, v) if tokens[0] == 1 else _separate(q, k, v)))):
+                    if inplace:
+                        q_out, k_out = q, k
+                        launcher((tokens[0],), q, k, v, None, None, positions, self.cos_sin, slot_mapping,
+                                 self.k_cache, self.v_cache, q_stride[0], k_stride[0], v_stride[0],
+                                 self.cos_sin.shape[0], self._num_slots)
+                    else:
+                        q_out, k_out = q.new_empty(q_shape), k.new_empty(k_shape)
+                        launcher((tokens[0],), q, k, v, q_out, k_out, positions, self.cos_sin, slot_mapping,
+                                 self.k_cache, self.v_cache, q_stride[0], k_stride[0], v_stride[0],
+                                 self.cos_sin.shape[0], self._num_slots)
+                    return q_out, k_out
+        return rope_and_store_kv(q, k, v, positions, self.cos_sin, self.k_cache, self.v_cache, slot_mapping,
+                                 self.layout, inplace=inplace)
+
+    def _launcher(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, pdl: bool, inplace: bool) -> Callable[..., None] | None:
+        """The launcher of these inputs' shapes, kept for later calls, where they are the decode layout and
+        hold at least one token; else None (rope_and_store_kv's general path, or its errors)."""
+        if not _decode_layout_ok(q, k, v, positions, self.cos_sin, self.k_cache, self.v_cache, slot_mapping,
+                                 self.layout) or q.shape[0] == 0:
+            return None
+        tokens, q_heads, head_dim = q.shape
+        launcher = _rope_store_launcher(head_dim, self.cos_sin.shape[1], q_heads, self._kv_heads,
+                                        self.layout == "interleaved", tokens >= _MANY_TOKENS, pdl, inplace)
+        self._launchers[(q.shape, k.shape, pdl, inplace)] = launcher
+        return launcher
+
+
+def bind_rope_and_store_kv(cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           layout: str = "rotate_half") -> BoundRopeAndStoreKV:
+    """`rope_and_store_kv` with one layer's table and caches fixed and checked now: `bound(q, k, v,
+    positions, slot_mapping, inplace=False)` returns what `rope_and_store_kv(q, k, v, positions, cos_sin,
+    k_cache, v_cache, slot_mapping, layout, inplace=inplace)` would, for less host time a call (an engine's
+    decode step calls it once a layer). Inputs of another layout, or wrong ones, go through
+    rope_and_store_kv itself. The bound tensors must keep their shape, dtype and device while it is used."""
+    return BoundRopeAndStoreKV(cos_sin, k_cache, v_cache, layout)
