@@ -140,13 +140,20 @@ def _fusable(q, k, cos, sin) -> bool:
     return not (torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad))
 
 
-def _fused_rotary(q, k, cos, sin):
+def _fused_rotary(q, k, cos, sin, last_table: list):
     """HF's q * cos + rotate_half(q) * sin (and the same for k) through apply_rope. cos/sin hold
     each angle twice (cat(freqs, freqs)), so their first halves are one token's row of the cache,
-    and token i of the flattened [B or 1, T] reads row i."""
+    and token i of the flattened [B or 1, T] reads row i. last_table holds the (cos, sin, table) of
+    the call before: every layer of a forward passes the same cos and sin, which the model's rotary
+    embedding makes anew each forward, so the table is built once a forward, not once a layer."""
     half = q.shape[-1] // 2
     cos_batch, seq = cos.shape[:2]
-    cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).view(cos_batch * seq, 2 * half)
+    seen = last_table[0]
+    if seen is not None and seen[0] is cos and seen[1] is sin:
+        cos_sin = seen[2]
+    else:
+        cos_sin = torch.cat((cos[..., :half], sin[..., :half]), dim=-1).view(cos_batch * seq, 2 * half)
+        last_table[0] = (cos, sin, cos_sin)
     # cos/sin shared by every batch (position_ids [1, T]): apply_rope takes [seq] positions for that.
     positions = _token_positions(cos_batch if cos_batch == q.shape[0] else None, seq, q.device)
     # HF's q/k are [B, T, H, D] projections seen as [B, H, T, D]: hand the kernel the former.
@@ -161,6 +168,8 @@ def _rotary_dispatcher(original):
     """Takes the place of a modeling module's apply_rotary_pos_emb: the fused path inside a patched
     model's attention forward when the arguments allow it, Hugging Face's function otherwise."""
 
+    last_table: list = [None]  # see _fused_rotary
+
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         if (
@@ -170,7 +179,7 @@ def _rotary_dispatcher(original):
             and kwargs.keys() <= {"unsqueeze_dim"}
             and _fusable(q, k, cos, sin)
         ):
-            return _fused_rotary(q, k, cos, sin)
+            return _fused_rotary(q, k, cos, sin, last_table)
         return original(q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.fuselab_dispatcher = True

@@ -179,6 +179,25 @@ def test_fused_rotary_matches_hugging_face_function(device, monkeypatch, dtype, 
         torch.testing.assert_close(ours, expected, **tol)
 
 
+def test_fused_rotary_in_inference_rotates_in_place_with_each_forwards_own_table(device):
+    patch(_tiny_model("llama", device))
+    dispatcher = _modeling("llama").apply_rotary_pos_emb
+    q, k, cos, sin = _q_k_cos_sin(device, torch.float32, 1)
+    token = _FUSED_ROTARY_ACTIVE.set(True)
+    try:
+        # The same cos/sin twice (two layers of a forward), then new ones (the next forward's): never a stale table.
+        for c, s in ((cos, sin), (cos, sin), (sin.clone(), cos.clone())):
+            expected = dispatcher.__wrapped__(q, k, c, s)
+            q_in, k_in = q.clone(), k.clone()
+            with torch.no_grad():
+                ours = dispatcher(q_in, k_in, c, s)
+            assert ours[0].data_ptr() == q_in.data_ptr() and ours[1].data_ptr() == k_in.data_ptr()
+            for a, b in zip(ours, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    finally:
+        _FUSED_ROTARY_ACTIVE.reset(token)
+
+
 def test_fused_rotary_leaves_what_it_cannot_do_to_hugging_face(device, monkeypatch):
     patch(_tiny_model("llama", device))
     dispatcher = _modeling("llama").apply_rotary_pos_emb
