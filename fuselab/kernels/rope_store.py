@@ -40,6 +40,7 @@ from fuselab.kernels.rope import (
     _launch_rope,
     _rope_meta,
     _rotate_heads,
+    tokens_apart,
 )
 
 
@@ -201,8 +202,7 @@ def rope_and_store_kv(
 
     inplace=True rotates q and k where they lie and returns them: no new tensors, two allocations
     fewer a call (what an engine wants of the projection's output, read by nothing else). q, k and v
-    must not share memory then and need their heads head_dim apart (views of one projection are so);
-    a ValueError says so otherwise.
+    must not share memory then (views of one projection do not); a ValueError says so otherwise.
 
     Inference only: it writes the cache and records no gradients, so it refuses inputs that
     require grad while grad mode is on (use apply_rope and store_kv there, or torch.no_grad()).
@@ -222,8 +222,8 @@ def rope_and_store_kv(
         check_flag("inplace", inplace)
         # One token of the decode layout (an engine's batch-1 step) needs its three runs' pointers only.
         if not (_one_token_apart(q, k, v) if decode_layout and q.shape[0] == 1 else _separate(q, k, v)):
-            raise ValueError("inplace=True needs q, k and v in separate memory, each with its heads head_dim apart "
-                             "(views of one projection are): rotating q or k in place could change another input")
+            raise ValueError("inplace=True needs q, k and v in separate memory (views of one projection are): "
+                             "rotating q or k in place could change another input")
     if indices.requested(check_indices, q.device):
         indices.check_positions(positions, cos_sin.shape[0])
         indices.check_slot_mapping(slot_mapping, k_cache.shape[0], k_cache.shape[1])
@@ -247,27 +247,9 @@ def _one_token_apart(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether no two of q, k, v [tokens, heads, head_dim] share an element, for inputs whose heads are
-    head_dim apart with a unit last stride (each token's heads one dense run): their extents are apart
-    (separate tensors), or, as views of one projection, they step by one token stride and their runs
-    lie apart within it. Anything else is refused, sharing or not."""
-    size, tokens = q.element_size(), q.shape[0]
-    extents = []
-    for t in (q, k, v):
-        shape, stride = t.shape, t.stride()
-        if stride[2] != 1 or stride[1] != shape[2] or t.element_size() != size:
-            return False
-        run = shape[1] * shape[2] * size
-        extents.append((t.data_ptr(), run, t.data_ptr() + (tokens - 1) * stride[0] * size + run))
-    extents.sort()
-    (a, _, a_end), (b, _, b_end), (c, c_run, _) = extents
-    if a_end <= b and b_end <= c:
-        return True
-    # Interleaved extents: each token's three runs must fit, apart, within one common token stride.
-    token_bytes = q.stride()[0] * size
-    runs_apart = extents[0][0] + extents[0][1] <= b and b + extents[1][1] <= c
-    return (runs_apart and k.stride()[0] * size == token_bytes == v.stride()[0] * size
-            and c + c_run - a <= token_bytes)
+    """Whether no two of q, k, v [tokens, heads, head_dim] share an element (`rope.tokens_apart`, pairwise):
+    separate tensors, or views of one projection whose runs lie apart within one token stride."""
+    return tokens_apart(q, k) and tokens_apart(q, v) and tokens_apart(k, v)
 
 
 _POSITION_DTYPE_SET = frozenset(_POSITION_DTYPES)
