@@ -309,17 +309,11 @@ class BoundRopeAndStoreKV:
                         and positions.get_device() == device and slot_mapping.get_device() == device
                         and not needs_autograd(q, k, v)
                         and (not inplace or (_one_token_apart(q, k, v) if tokens[0] == 1 else _separate(q, k, v)))):
-                    if inplace:
-                        q_out, k_out = q, k
-                        launcher((tokens[0],), q, k, v, None, None, positions, self.cos_sin, slot_mapping,
-                                 self.k_cache, self.v_cache, q_stride[0], k_stride[0], v_stride[0],
-                                 self.cos_sin.shape[0], self._num_slots)
-                    else:
-                        q_out, k_out = q.new_empty(q_shape), k.new_empty(k_shape)
-                        launcher((tokens[0],), q, k, v, q_out, k_out, positions, self.cos_sin, slot_mapping,
-                                 self.k_cache, self.v_cache, q_stride[0], k_stride[0], v_stride[0],
-                                 self.cos_sin.shape[0], self._num_slots)
-                    return q_out, k_out
+                    q_out, k_out = (None, None) if inplace else (q.new_empty(q_shape), k.new_empty(k_shape))
+                    launcher((tokens[0],), q, k, v, q_out, k_out, positions, self.cos_sin, slot_mapping,
+                             self.k_cache, self.v_cache, q_stride[0], k_stride[0], v_stride[0],
+                             self.cos_sin.shape[0], self._num_slots)
+                    return (q, k) if inplace else (q_out, k_out)
         return rope_and_store_kv(q, k, v, positions, self.cos_sin, self.k_cache, self.v_cache, slot_mapping,
                                  self.layout, inplace=inplace)
 
