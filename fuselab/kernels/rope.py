@@ -116,6 +116,20 @@ def cos_sin_at(cos_sin_ptr, pos, max_pos, row_stride, HALF: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def token_rows(q_ptr, k_ptr, q_out_ptr, k_out_ptr, token, q_stride_t, k_stride_t, Q_WIDTH: tl.constexpr,
+               K_WIDTH: tl.constexpr, IN_PLACE: tl.constexpr):
+    """(q, k, q out, k out) pointers of one token of the decode layout: inputs `token · stride` in, dense
+    outputs of Q_WIDTH / K_WIDTH values a token, or with IN_PLACE the inputs themselves (the output
+    pointers are not read; each element is then loaded and stored by the same thread)."""
+    q_src, k_src = q_ptr + token * q_stride_t, k_ptr + token * k_stride_t
+    if IN_PLACE:
+        q_dst, k_dst = q_src, k_src
+    else:
+        q_dst, k_dst = q_out_ptr + token * Q_WIDTH, k_out_ptr + token * K_WIDTH
+    return q_src, k_src, q_dst, k_dst
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, q_stride_b, q_stride_s, q_stride_h,
     k_ptr, k_stride_b, k_stride_s, k_stride_h,
@@ -199,12 +213,8 @@ def _rope_decode_kernel(
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)
-    q_src, k_src = q_ptr + token * q_stride_t, k_ptr + token * k_stride_t
-    if IN_PLACE:
-        q_out, k_out = q_src, k_src
-    else:
-        q_out = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
-        k_out = k_out_ptr + token * (N_K_HEADS * HEAD_DIM)
+    q_src, k_src, q_out, k_out = token_rows(q_ptr, k_ptr, q_out_ptr, k_out_ptr, token, q_stride_t, k_stride_t,
+                                            N_Q_HEADS * HEAD_DIM, N_K_HEADS * HEAD_DIM, IN_PLACE)
     _rotate_heads(
         q_src, HEAD_DIM, q_out, HEAD_DIM, N_Q_HEADS, cos, sin, q_out, 0, False,
         HALF, BLOCK_HALF, BLOCK_Q_HEADS, HEAD_DIM, BLOCK_PASS, INTERLEAVED, False,

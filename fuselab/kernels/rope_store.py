@@ -40,6 +40,7 @@ from fuselab.kernels.rope import (
     _launch_rope,
     _rope_meta,
     _rotate_heads,
+    token_rows,
     tokens_apart,
 )
 
@@ -64,12 +65,8 @@ def _rope_store_kernel(
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)
-    q_src, k_src = q_ptr + token * q_stride_t, k_ptr + token * k_stride_t
-    if IN_PLACE:
-        q_dst, k_dst = q_src, k_src
-    else:
-        q_dst = q_out_ptr + token * (N_Q_HEADS * HEAD_DIM)
-        k_dst = k_out_ptr + token * (N_KV_HEADS * HEAD_DIM)
+    q_src, k_src, q_dst, k_dst = token_rows(q_ptr, k_ptr, q_out_ptr, k_out_ptr, token, q_stride_t, k_stride_t,
+                                            N_Q_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM, IN_PLACE)
     _rotate_heads(
         q_src, HEAD_DIM, q_dst, HEAD_DIM,
         N_Q_HEADS, cos, sin, q_dst, 0, False,

@@ -25,24 +25,20 @@ from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.validate import check_counters, counters_ok, on_kernel_device
 from fuselab.kernels.attention.common import LOG2E, SUPPORTED_HEAD_DIMS, resolve_scale
 from fuselab.kernels.attention.paged_attention import (
-    _ELEMENTS_PER_FLOAT32,
     _caches_ok,
     _check_caches,
     _dense_decode_launcher,
     _dense_inputs_ok,
+    check_int,
     decode_attention,
     decode_config,
+    dense_buffer_elements,
+    dense_output,
     num_splits,
 )
 
 _Tensor = torch.Tensor
 _INT32 = torch.int32
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    # As decode_attention's checks of the same arguments.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be a {'positive' if minimum else 'non-negative'} int, got {value!r}")
 
 
 class _Launch(NamedTuple):
@@ -67,9 +63,9 @@ class BoundDecodeAttention:
         head_dim = k_cache.shape[3]
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"k_cache has head dim {head_dim}; supported head dims are {SUPPORTED_HEAD_DIMS}")
-        _check_int("max_splits", max_splits, minimum=1)
+        check_int("max_splits", max_splits, minimum=1)
         if max_seq_len is not None:
-            _check_int("max_seq_len", max_seq_len, minimum=0)
+            check_int("max_seq_len", max_seq_len, minimum=0)
         if counters is not None and not counters_ok(counters, 0, k_cache.device):
             check_counters(counters, 0, k_cache.device)
         self.k_cache, self.v_cache, self.counters = k_cache, v_cache, counters
@@ -103,11 +99,7 @@ class BoundDecodeAttention:
 
     def _launch(self, plan: _Launch, q: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor) -> torch.Tensor:
-        if plan.buffer:
-            batch, heads, head_dim = q.shape
-            out = q.new_empty(plan.buffer).as_strided((batch, heads, head_dim), (heads * head_dim, head_dim, 1))
-        else:
-            out = q.new_empty(q.shape)
+        out = dense_output(q, plan.buffer)
         plan.launcher(plan.grid, q, self.k_cache, self.v_cache, block_tables, seq_lens, out,
                       self.counters if plan.merges else None, plan.splits, self._scale_log2, self.k_cache.shape[0],
                       plan.table_capacity)
@@ -133,10 +125,7 @@ class BoundDecodeAttention:
             return False
         if merges and self.counters.numel() < batch * kv_heads:
             check_counters(self.counters, batch * kv_heads, self._device)
-        buffer = 0
-        if merges:  # the output, then the fp32 partial outputs and their log-sum-exps
-            n_parts = batch * heads * splits
-            buffer = batch * heads * head_dim + n_parts * (head_dim + 1) * _ELEMENTS_PER_FLOAT32[q.dtype]
+        buffer = dense_buffer_elements(batch, heads, head_dim, splits, q.dtype) if merges else 0
         launcher = _dense_decode_launcher(heads // kv_heads, head_dim, block_size, q.dtype, splits,
                                           decode_config(head_dim), pdl)
         plan = _Launch((batch, kv_heads, splits), splits, launcher, buffer, merges, table_capacity)

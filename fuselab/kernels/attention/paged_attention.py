@@ -199,6 +199,20 @@ def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, co
 _ELEMENTS_PER_FLOAT32 = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}
 
 
+def dense_buffer_elements(batch: int, heads: int, head_dim: int, splits: int, dtype: torch.dtype) -> int:
+    """Elements (of the output's dtype) of _dense_decode_kernel's one allocation with several splits: the
+    output, then the fp32 partial outputs [batch, heads, splits, head_dim] and their log-sum-exps."""
+    return batch * heads * head_dim + batch * heads * splits * (head_dim + 1) * _ELEMENTS_PER_FLOAT32[dtype]
+
+
+def dense_output(q: torch.Tensor, buffer_elements: int) -> torch.Tensor:
+    """The output [batch, heads, head_dim] for q, at the start of a buffer of `buffer_elements` (0: its own)."""
+    if not buffer_elements:
+        return q.new_empty(q.shape)
+    _, heads, head_dim = q.shape
+    return q.new_empty(buffer_elements).as_strided(q.shape, (heads * head_dim, head_dim, 1))
+
+
 def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
     """decode_launch for inputs of the dense layout (_dense_inputs_ok), in one launch: one split, or the
     merge in the splits' launch (counters, as decode_attention's, required then). One allocation: with
@@ -208,13 +222,7 @@ def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, spli
     merge_here = splits > 1
     launcher = _dense_decode_launcher(heads // cache_shape[2], head_dim, cache_shape[1], q.dtype, splits,
                                       decode_config(head_dim), use_pdl(q.device))
-    if merge_here:
-        # The output, then the fp32 partial outputs [batch, heads, splits, head_dim] and their log-sum-exps.
-        n_out, n_parts = batch * heads * head_dim, batch * heads * splits
-        buffer = q.new_empty(n_out + n_parts * (head_dim + 1) * _ELEMENTS_PER_FLOAT32[q.dtype])
-        out = buffer.as_strided((batch, heads, head_dim), (heads * head_dim, head_dim, 1))
-    else:
-        out = q.new_empty(batch, heads, head_dim)
+    out = dense_output(q, dense_buffer_elements(batch, heads, head_dim, splits, q.dtype) if merge_here else 0)
     launcher((batch, cache_shape[2], splits),
         q, k_cache, v_cache, block_tables, seq_lens, out, counters if merge_here else None, splits, scale * LOG2E,
         cache_shape[0], block_tables.shape[1] * cache_shape[1],
@@ -228,6 +236,12 @@ def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, spli
 
 
 _Tensor = torch.Tensor
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """An int (not a bool) of at least `minimum` (1: positive, 0: non-negative)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be a {'positive' if minimum else 'non-negative'} int, got {value!r}")
 
 
 def _check_int_tensor(name: str, t: object, ndim: int, device: torch.device) -> None:
@@ -424,14 +438,12 @@ def decode_attention(
     if counters is not None and not counters_ok(counters, batch * kv_heads, device):
         check_counters(counters, batch * kv_heads, device)
     # `type(...) is int` first: the common case in one test (a bool, or another type, takes the full one).
-    if (type(max_splits) is not int and (isinstance(max_splits, bool) or not isinstance(max_splits, int))
-            or max_splits < 1):
-        raise ValueError(f"max_splits must be a positive int, got {max_splits!r}")
+    if type(max_splits) is not int or max_splits < 1:
+        check_int("max_splits", max_splits, 1)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * cache_shape[1]
-    elif (type(max_seq_len) is not int and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int))
-            or max_seq_len < 0):
-        raise ValueError(f"max_seq_len must be a non-negative int, got {max_seq_len!r}")
+    elif type(max_seq_len) is not int or max_seq_len < 0:
+        check_int("max_seq_len", max_seq_len, 0)
     scale = resolve_scale(scale, head_dim)  # a float
     if indices.requested(check_indices, device):
         indices.check_paged_context(block_tables, seq_lens, cache_shape[0], cache_shape[1])
