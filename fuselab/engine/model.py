@@ -65,6 +65,9 @@ class Ops(NamedTuple):
     bind_rope_and_store_kv: Callable  # (cos_sin, k_cache, v_cache) -> (q, k, v, positions, slot_mapping) -> (q, k)
     prefill_attention: Callable  # (q, k, v, cu_seqlens, max_seqlen, scale)
     bind_decode_attention: Callable  # (k_cache, v_cache, scale, max_seq_len, counters) -> (q, tables, lens) -> o
+    # A decode step's RoPE, cache store and attention in one launch from the qkv projection's output,
+    # (cos_sin, k_cache, v_cache, scale, max_seq_len, counters) -> (qkv, tables, lens) -> o; None: the two above.
+    bind_rope_decode_attention: Callable | None
     argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
 
 
@@ -102,6 +105,7 @@ EAGER_OPS = Ops(
     bind_rope_and_store_kv=_bind_reference_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     bind_decode_attention=_bind_reference_decode_attention,
+    bind_rope_decode_attention=None,
     argmax=lambda logits, counters: reference.argmax(logits),
 )
 
@@ -116,6 +120,8 @@ FUSED_OPS = Ops(
     # only, which a captured decode graph needs.
     bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
         kc, vc, scale, max_len, counters=counters),
+    bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
+        cos_sin, kc, vc, scale, max_len, counters=counters),
     argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
 )
 
@@ -125,7 +131,9 @@ FUSED_OPS = Ops(
 GRAPH_OPS = FUSED_OPS._replace(
     gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
     bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
-        kc, vc, scale, max_len))
+        kc, vc, scale, max_len),
+    bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
+        cos_sin, kc, vc, scale, max_len))
 
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
 EAGER_QUANT_OPS = EAGER_OPS._replace(
@@ -134,7 +142,8 @@ EAGER_QUANT_OPS = EAGER_OPS._replace(
 FUSED_QUANT_OPS = FUSED_OPS._replace(
     linear=kernels.quantized_linear,
     gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
-GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention)
+GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention,
+                                           bind_rope_decode_attention=GRAPH_OPS.bind_rope_decode_attention)
 
 # Each mode's ops, without and with a quantization scheme.
 _MODE_OPS = {"eager": (EAGER_OPS, EAGER_QUANT_OPS), "fused": (FUSED_OPS, FUSED_QUANT_OPS),
@@ -186,6 +195,7 @@ class Attention(nn.Module):
         self.counters: torch.Tensor | None = None  # decode attention's tickets, bound with the cache
         self.rope_and_store_kv: Callable | None = None  # the two ops over the cache, bound with it
         self.decode_attention: Callable | None = None
+        self.rope_decode_attention: Callable | None = None  # the three in one, where the ops have it
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial o_proj output in place
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, counters: torch.Tensor) -> None:
@@ -194,10 +204,18 @@ class Attention(nn.Module):
         self.rope_and_store_kv = self.ops.bind_rope_and_store_kv(self.cos_sin, k_cache, v_cache)
         self.decode_attention = self.ops.bind_decode_attention(k_cache, v_cache, self.scale, self.max_model_len,
                                                                counters)
+        # q and k normalized before RoPE, or a rotary dim short of the head: the ops one by one.
+        if (self.ops.bind_rope_decode_attention is not None and not self.qk_norm
+                and self.cos_sin.shape[1] == self.head_dim):
+            self.rope_decode_attention = self.ops.bind_rope_decode_attention(
+                self.cos_sin, k_cache, v_cache, self.scale, self.max_model_len, counters)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         ops, tokens = self.ops, x.shape[0]
         qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if not attn.is_prefill and self.rope_decode_attention is not None:
+            o = self.rope_decode_attention(qkv, attn.block_tables, attn.seq_lens)
+            return self._output(o, tokens)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -212,7 +230,10 @@ class Attention(nn.Module):
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = self.decode_attention(q, attn.block_tables, attn.seq_lens)
-        out = ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
+        return self._output(o, tokens)
+
+    def _output(self, o: torch.Tensor, tokens: int) -> torch.Tensor:
+        out = self.ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out

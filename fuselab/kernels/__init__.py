@@ -15,6 +15,7 @@ from fuselab.kernels.attention.bound_decode import bind_decode_attention
 from fuselab.kernels.attention.common import SUPPORTED_HEAD_DIMS as ATTENTION_HEAD_DIMS
 from fuselab.kernels.attention.flash_attention import flash_attention, flash_attention_varlen
 from fuselab.kernels.attention.paged_attention import decode_attention, store_kv
+from fuselab.kernels.attention.rope_decode import bind_rope_decode_attention, rope_decode_attention
 from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
@@ -38,6 +39,7 @@ __all__ = [
     "bias_act",
     "bind_decode_attention",
     "bind_rope_and_store_kv",
+    "bind_rope_decode_attention",
     "cross_entropy",
     "decode_attention",
     "dependent_launches",
@@ -50,6 +52,7 @@ __all__ = [
     "quantized_linear",
     "rms_norm",
     "rope_and_store_kv",
+    "rope_decode_attention",
     "rope_cos_sin",
     "silu_and_mul",
     "softmax",

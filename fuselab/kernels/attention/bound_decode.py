@@ -101,8 +101,8 @@ class BoundDecodeAttention:
                 seq_lens: torch.Tensor) -> torch.Tensor:
         out = dense_output(q, plan.buffer)
         plan.launcher(plan.grid, q, self.k_cache, self.v_cache, block_tables, seq_lens, out,
-                      self.counters if plan.merges else None, plan.splits, self._scale_log2, self.k_cache.shape[0],
-                      plan.table_capacity)
+                      self.counters if plan.merges else None, None, plan.splits, self._scale_log2,
+                      self.k_cache.shape[0], plan.table_capacity, 0)
         return out
 
     def _plan(self, q: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

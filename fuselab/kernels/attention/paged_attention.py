@@ -99,6 +99,10 @@ DECODE_CONFIGS: dict[int, DecodeConfig] = {
 # A 32-token step crosses a page boundary at block_size 16 and stays inside one at 64.
 INTERPRETER_DECODE = DecodeConfig(32, 1, 1)
 
+# Context tokens per loop step where a split holds at most twice this many (shorter loads and dots;
+# batch 1 at a few hundred tokens of context).
+SHORT_BLOCK_N = 16
+
 # Splits shorter than this cost more in fixed work (query load, partial write, merge) than they save.
 MIN_TOKENS_PER_SPLIT = 128
 # Enough programs to give every SM this many to interleave, so loads stay in flight.
@@ -140,7 +144,7 @@ def _store_kv_launcher(page_size: int, token_width: int) -> Callable[..., None]:
 def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int, cfg: DecodeConfig,
                  pdl: bool, merge_here: bool) -> dict:
     """The kernel's compile-time arguments and launch options, once per shape and config."""
-    return dict(
+    return dict(SHORT_N=SHORT_BLOCK_N if cfg.block_n > SHORT_BLOCK_N else 0,
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(dtype),
         # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.
@@ -151,11 +155,13 @@ def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, 
 
 @functools.cache
 def _dense_decode_launcher(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int,
-                           cfg: DecodeConfig, pdl: bool) -> Callable[..., None]:
-    """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config
-    (merging in the launch where there are several splits)."""
-    meta = _decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, splits > 1)
-    return prepare(_dense_decode_kernel, **meta)
+                           cfg: DecodeConfig, pdl: bool, merge_here: bool = True,
+                           rope_half: int = 0) -> Callable[..., None]:
+    """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config;
+    several splits merge in the launch unless merge_here is False (the merge kernel's, then). rope_half > 0:
+    the new-token kernel (rope_decode_attention), its RoPE pairs that far apart."""
+    meta = _decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, merge_here and splits > 1)
+    return prepare(_dense_decode_kernel, NEW_TOKEN=rope_half > 0, HALF=max(1, rope_half), **meta)
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:
@@ -224,8 +230,8 @@ def dense_decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, spli
                                       decode_config(head_dim), use_pdl(q.device))
     out = dense_output(q, dense_buffer_elements(batch, heads, head_dim, splits, q.dtype) if merge_here else 0)
     launcher((batch, cache_shape[2], splits),
-        q, k_cache, v_cache, block_tables, seq_lens, out, counters if merge_here else None, splits, scale * LOG2E,
-        cache_shape[0], block_tables.shape[1] * cache_shape[1],
+        q, k_cache, v_cache, block_tables, seq_lens, out, counters if merge_here else None, None, splits,
+        scale * LOG2E, cache_shape[0], block_tables.shape[1] * cache_shape[1], 0,
     )
     return out
 
