@@ -99,10 +99,6 @@ DECODE_CONFIGS: dict[int, DecodeConfig] = {
 # A 32-token step crosses a page boundary at block_size 16 and stays inside one at 64.
 INTERPRETER_DECODE = DecodeConfig(32, 1, 1)
 
-# Context tokens per loop step where a split holds at most twice this many (shorter loads and dots;
-# batch 1 at a few hundred tokens of context).
-SHORT_BLOCK_N = 16
-
 # Splits shorter than this cost more in fixed work (query load, partial write, merge) than they save.
 MIN_TOKENS_PER_SPLIT = 128
 # Enough programs to give every SM this many to interleave, so loads stay in flight.
@@ -144,7 +140,7 @@ def _store_kv_launcher(page_size: int, token_width: int) -> Callable[..., None]:
 def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int, cfg: DecodeConfig,
                  pdl: bool, merge_here: bool) -> dict:
     """The kernel's compile-time arguments and launch options, once per shape and config."""
-    return dict(SHORT_N=SHORT_BLOCK_N if cfg.block_n > SHORT_BLOCK_N else 0,
+    return dict(
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(dtype),
         # Two split lanes at least: a one-element reduction axis is an edge case not worth a compiler's risk.

@@ -107,7 +107,7 @@ def _decode_split(
     num_blocks, table_tokens, cos_sin_rows,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr, SHORT_N: tl.constexpr = 0,
+    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
     NEW_TOKEN: tl.constexpr = False, HALF: tl.constexpr = 1,
 ):
     # NEW_TOKEN: Q is a row of the step's qkv projection, [heads, kv heads, kv heads] head vectors: the
@@ -125,13 +125,7 @@ def _decode_split(
     # Clamped to the tokens a table row holds, so that no length walks off it (a scalar a program).
     seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + batch), 0), table_tokens)
     per_split = tl.cdiv(seq_len, num_splits)
-    # Splits of a few dozen tokens take tiles of SHORT_N, whose loads and dots are shorter (a branch on
-    # a scalar; one compiled loop each).
-    if SHORT_N > 0:
-        short = per_split <= 2 * SHORT_N
-        split_len = tl.where(short, tl.cdiv(per_split, SHORT_N) * SHORT_N, tl.cdiv(per_split, BLOCK_N) * BLOCK_N)
-    else:
-        split_len = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(per_split, BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -160,14 +154,9 @@ def _decode_split(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
-    if SHORT_N > 0 and short:
-        m_i, l_i, acc = _attend(q, table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block,
-                                stride_vc_slot, lo, hi, num_blocks, qk_scale, m_i, l_i, acc, offs_d, d_ok,
-                                PAGE_SIZE, SHORT_N, DOT_PRECISION)
-    else:
-        m_i, l_i, acc = _attend(q, table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block,
-                                stride_vc_slot, lo, hi, num_blocks, qk_scale, m_i, l_i, acc, offs_d, d_ok,
-                                PAGE_SIZE, BLOCK_N, DOT_PRECISION)
+    m_i, l_i, acc = _attend(q, table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block,
+                            stride_vc_slot, lo, hi, num_blocks, qk_scale, m_i, l_i, acc, offs_d, d_ok,
+                            PAGE_SIZE, BLOCK_N, DOT_PRECISION)
 
     if NEW_TOKEN:
         # The new token's key and value (after the q heads in the row), stored where the block table puts
@@ -227,7 +216,7 @@ def _decode_kernel(
     num_blocks, table_tokens,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr, SHORT_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     _decode_split(
         Q, K_CACHE, V_CACHE, BLOCK_TABLES, SEQ_LENS, PART_OUT, PART_LSE, COUNTS, OUT, Q,
@@ -235,7 +224,7 @@ def _decode_kernel(
         stride_vc_block, stride_vc_slot, stride_vc_head, stride_table, stride_ob, stride_oh, num_splits, qk_scale,
         num_blocks, table_tokens, 0,
         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, DOT_PRECISION, SPLITS_PAD, ONE_SPLIT, MERGE_HERE,
-        USE_PDL, SHORT_N,
+        USE_PDL,
     )
 
 
@@ -245,7 +234,7 @@ def _dense_decode_kernel(
     table_tokens, cos_sin_rows,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr, SHORT_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
     NEW_TOKEN: tl.constexpr, HALF: tl.constexpr,
 ):
     # _decode_kernel for dense q and out [batch, heads, head_dim], caches [blocks, PAGE_SIZE, kv_heads,
@@ -264,5 +253,5 @@ def _dense_decode_kernel(
         COS_SIN, q_row, HEAD_DIM, PAGE_SIZE * slot, slot, HEAD_DIM, PAGE_SIZE * slot, slot, HEAD_DIM,
         table_tokens // PAGE_SIZE, row, HEAD_DIM, num_splits, qk_scale, num_blocks, table_tokens, cos_sin_rows,
         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, DOT_PRECISION, SPLITS_PAD, ONE_SPLIT, MERGE_HERE,
-        USE_PDL, SHORT_N, NEW_TOKEN, HALF,
+        USE_PDL, NEW_TOKEN, HALF,
     )
