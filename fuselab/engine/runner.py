@@ -190,8 +190,7 @@ class ModelRunner:
         attn = AttentionMetadata(is_prefill=False, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
         with dependent_launches():  # no kernel of a decode step writes a weight
-            h, residual = self.model(input_ids, attn)
-            logits = self.model.compute_logits(h, residual, logits_out)
+            logits = self.model.compute_logits(self.model(input_ids, attn), logits_out)
             greedy = self.model.greedy(logits)
         if tokens_out is None:
             return logits, greedy
@@ -209,8 +208,7 @@ class ModelRunner:
         token of each sequence, whose KV it writes; to be called under torch.inference_mode()."""
         if is_prefill:
             input_ids, attn, last = self._prepare_prefill(seqs)
-            h, residual = self.model(input_ids, attn)
-            logits = self.model.compute_logits(h[last], residual[last])
+            logits = self.model.compute_logits(self.model(input_ids, attn)[last])
             return logits, self.model.greedy(logits)
         if self.graphs is None:
             return self.decode_forward(self._stage_decode(seqs, len(seqs)))
@@ -236,13 +234,13 @@ class ModelRunner:
                 cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
                 max_seqlen=max(lens),
             )
-            h, residual = self.model(torch.zeros(n, dtype=torch.int64, device=device), attn)
+            h = self.model(torch.zeros(n, dtype=torch.int64, device=device), attn)
             last = torch.tensor(bounds[1:], device=device) - 1
-            self.model.greedy(self.model.compute_logits(h[last], residual[last]))
+            self.model.greedy(self.model.compute_logits(h[last]))
         for rows in (1, 2, 16, 17):
             h = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
                             device=device)
-            self.model.greedy(self.model.compute_logits(h, h))
+            self.model.greedy(self.model.compute_logits(h))
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
