@@ -38,10 +38,10 @@ from fuselab.kernels.swiglu import silu_and_mul
 # --------------------------------------------------------------------------------------------
 
 
-# Where x comes from (PROLOGUE): the input row as it is, RMSNorm of it, or SwiGLU of a [gate | up] row of 2K.
-PLAIN, RMS_NORM, SILU_AND_MUL = 0, 1, 2
-_RMS_NORM = tl.constexpr(RMS_NORM)  # the kernels' copies: a global a kernel reads must be a constexpr
-_SILU_AND_MUL = tl.constexpr(SILU_AND_MUL)
+# Where x comes from: the input row as it is, RMSNorm of it, or SwiGLU of a [gate | up] row of 2K.
+PLAIN: tl.constexpr = 0
+RMS_NORM: tl.constexpr = 1
+SILU_AND_MUL: tl.constexpr = 2
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _x_block(X, NW, k0, ks, K, rstd, PROLOGUE: tl.constexpr, MASKED: tl.constexp
     """Columns k0 + ks of the GEMV's input in fp32, rounded to X's dtype after any prologue, as the
     separate kernel would have written it."""
     k_ok = k0 + ks < K
-    if PROLOGUE == _SILU_AND_MUL:
+    if PROLOGUE == SILU_AND_MUL:
         if MASKED:
             g = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             u = tl.load(X + K + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -62,7 +62,7 @@ def _x_block(X, NW, k0, ks, K, rstd, PROLOGUE: tl.constexpr, MASKED: tl.constexp
             x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
         else:
             x = tl.load(X + k0 + ks).to(tl.float32)
-        if PROLOGUE == _RMS_NORM:
+        if PROLOGUE == RMS_NORM:
             if MASKED:
                 nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             else:
@@ -87,7 +87,7 @@ def _gemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
     rstd = eps  # a placeholder without the norm
-    if PROLOGUE == _RMS_NORM:  # the row's mean square first: every program reads all of x (from L2)
+    if PROLOGUE == RMS_NORM:  # the row's mean square first: every program reads all of x (from L2)
         sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(X + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
