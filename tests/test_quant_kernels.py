@@ -186,16 +186,3 @@ def test_every_path_is_captured_by_a_cuda_graph(fmt, group):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(captured, eager)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt, group", [("int4", 32), ("int8", 0), ("fp8", 0)])
-@pytest.mark.parametrize("rows", [1, ql.GEMV_MAX_ROWS + 1])  # the GEMV's epilogue; an add after the GEMM
-def test_residual(device, fmt, group, dtype, rows):
-    x, weight = _randn((rows, 200), dtype, device, 1), _weight(fmt, group, 37, 200, device, 2)
-    residual = _randn((rows, 37), dtype, device, 3)
-    got = quantized_linear(x, weight, residual=residual)
-    projected = (x.double() @ dequantize(weight).t()).to(dtype).double()  # rounded, as a separate add sees it
-    assert_close(got, projected + residual.double(), dtype, scale=4.0)
-    with pytest.raises(ValueError, match="residual must be a \\(1, 37\\)"):
-        quantized_linear(x[:1], weight, residual=residual[:1, :36])

@@ -57,11 +57,9 @@ class AttentionMetadata:
 
 
 class Ops(NamedTuple):
-    linear: Callable  # (x, weight, bias=None, *, residual=None) -> x @ weightᵀ + bias + residual
-    rms_norm: Callable  # (x, weight, eps) -> y
-    norm_linear: Callable  # (x, norm weight, eps, weight, bias) -> linear(rms_norm(x), weight, bias)
-    # (x, gate/up weight, down weight, residual or None) -> residual + (silu(x @ gateᵀ) · (x @ upᵀ)) @ downᵀ
-    mlp: Callable
+    linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
+    rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
+    gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
     # The two ops over a layer's KV cache are bound to it once (bind_kv_cache), with its RoPE table, scale,
     # context limit and tickets: a layer's call then passes only the step's tensors.
     bind_rope_and_store_kv: Callable  # (cos_sin, k_cache, v_cache) -> (q, k, v, positions, slot_mapping) -> (q, k)
@@ -73,34 +71,12 @@ class Ops(NamedTuple):
     argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
 
 
-def _fused_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None
-               ) -> torch.Tensor:
-    # One row in "fused" mode, which the host's launches bound: the gate/up projection and SwiGLU in
-    # one launch (without split-K, the host's cheapest), where cuBLAS and the SwiGLU kernel take two.
+def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # One row in "fused" mode, which the host's launches bound: the projection and SwiGLU in one
+    # launch (without split-K, the host's cheapest), where cuBLAS and the SwiGLU kernel take two.
     if x.shape[0] == 1:
-        return kernels.linear(kernels.gate_up_swiglu(x, gate_up, max_split_k=1), down, residual=residual)
-    return kernels.silu_and_mul_linear(kernels.linear(x, gate_up), down, residual=residual)
-
-
-def _graph_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None
-               ) -> torch.Tensor:
-    # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win: cuBLAS for
-    # gate/up, not gate_up_swiglu (19.7 against 23.6 µs at the 1B shape on an H200); SwiGLU in the
-    # down projection's prologue at one row.
-    return kernels.silu_and_mul_linear(kernels.linear(x, gate_up), down, residual=residual)
-
-
-def _reference_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, residual: torch.Tensor | None
-                   ) -> torch.Tensor:
-    return reference.silu_and_mul_linear(reference.linear(x, gate_up), down, residual=residual)
-
-
-def _quant_mlp(linear: Callable, silu_and_mul: Callable) -> Callable:
-    return lambda x, gate_up, down, residual: linear(silu_and_mul(linear(x, gate_up)), down, residual=residual)
-
-
-def _quant_norm_linear(linear: Callable, rms_norm: Callable) -> Callable:
-    return lambda x, norm_weight, eps, weight, bias: linear(rms_norm(x, norm_weight, eps), weight, bias)
+        return kernels.gate_up_swiglu(x, weight, max_split_k=1)
+    return kernels.silu_and_mul(kernels.linear(x, weight))
 
 
 def _bind_reference_rope_and_store_kv(cos_sin: torch.Tensor, k_cache: torch.Tensor,
@@ -125,8 +101,7 @@ def _bind_fused_rope_and_store_kv(cos_sin: torch.Tensor, k_cache: torch.Tensor, 
 EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
-    norm_linear=reference.rms_norm_linear,
-    mlp=_reference_mlp,
+    gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
     bind_rope_and_store_kv=_bind_reference_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     bind_decode_attention=_bind_reference_decode_attention,
@@ -137,8 +112,7 @@ EAGER_OPS = Ops(
 FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
-    norm_linear=kernels.rms_norm_linear,  # one row: the norm in the GEMV's prologue
-    mlp=_fused_mlp,
+    gate_up_swiglu=_fused_gate_up_swiglu,
     bind_rope_and_store_kv=_bind_fused_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
         q, k, v, cu, max_len, True, scale),
@@ -151,10 +125,11 @@ FUSED_OPS = Ops(
     argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
 )
 
-# "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there (_graph_mlp).
+# "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
+# the SwiGLU kernel, not gate_up_swiglu (19.7 against 23.6 µs at the 1B shape on an H200).
 # So too for decode attention: without tickets its merge is a second launch, sooner done on the GPU.
 GRAPH_OPS = FUSED_OPS._replace(
-    mlp=_graph_mlp,
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
     bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
         kc, vc, scale, max_len),
     bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
@@ -163,12 +138,10 @@ GRAPH_OPS = FUSED_OPS._replace(
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
 EAGER_QUANT_OPS = EAGER_OPS._replace(
     linear=reference_quant.quantized_linear,
-    norm_linear=_quant_norm_linear(reference_quant.quantized_linear, reference.rms_norm),
-    mlp=_quant_mlp(reference_quant.quantized_linear, reference.silu_and_mul))
+    gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference_quant.quantized_linear(x, w)))
 FUSED_QUANT_OPS = FUSED_OPS._replace(
     linear=kernels.quantized_linear,
-    norm_linear=_quant_norm_linear(kernels.quantized_linear, kernels.rms_norm),
-    mlp=_quant_mlp(kernels.quantized_linear, kernels.silu_and_mul))
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
 GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention,
                                            bind_rope_decode_attention=GRAPH_OPS.bind_rope_decode_attention)
 
@@ -188,6 +161,12 @@ class RMSNorm(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_normalize(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual) in one pass; the first layer has no residual yet: x is it."""
+        if residual is None:
+            return self.normalize(x), x
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -231,13 +210,12 @@ class Attention(nn.Module):
             self.rope_decode_attention = self.ops.bind_rope_decode_attention(
                 self.cos_sin, k_cache, v_cache, self.scale, self.max_model_len, counters)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, attn: AttentionMetadata) -> torch.Tensor:
-        """x + attention(norm(x)) for the residual stream x."""
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         ops, tokens = self.ops, x.shape[0]
-        qkv = ops.norm_linear(x, norm.weight, norm.eps, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         if not attn.is_prefill and self.rope_decode_attention is not None:
             o = self.rope_decode_attention(qkv, attn.block_tables, attn.seq_lens)
-            return self._output(o, x)
+            return self._output(o, tokens)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -252,15 +230,13 @@ class Attention(nn.Module):
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = self.decode_attention(q, attn.block_tables, attn.seq_lens)
-        return self._output(o, x)
+        return self._output(o, tokens)
 
-    def _output(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        o = o.reshape(residual.shape[0], self.q_size)
-        if self.all_reduce is None:  # the residual add in the projection's epilogue
-            return self.ops.linear(o, self.o_proj.weight, residual=residual)
-        out = self.ops.linear(o, self.o_proj.weight)  # a partial sum: the residual is added once, after
-        self.all_reduce(out)
-        return out.add_(residual)
+    def _output(self, o: torch.Tensor, tokens: int) -> torch.Tensor:
+        out = self.ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 def in_major_linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
@@ -293,14 +269,12 @@ class MLP(nn.Module):
         self.ops = ops
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial down_proj output in place
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(x)."""
-        mlp = self.ops.mlp
-        if self.all_reduce is None:  # the residual add in the down projection's epilogue
-            return mlp(x, self.gate_up_proj.weight, self.down_proj.weight, residual)
-        out = mlp(x, self.gate_up_proj.weight, self.down_proj.weight, None)  # a partial sum, as in Attention
-        self.all_reduce(out)
-        return out.add_(residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
+        out = ops.linear(ops.gate_up_swiglu(x, self.gate_up_proj.weight), self.down_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -312,11 +286,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
 
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """The residual stream x after this layer. Each residual add is in the epilogue of the projection
-        before it, and the input norm in the prologue of the q/k/v projection where one row allows."""
-        h = self.self_attn.forward(x, self.input_layernorm, attn)  # forward, not __call__: see LlamaForCausalLM
-        return self.mlp.forward(self.post_attention_layernorm.normalize(h), h)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried beside the layer output, so that each norm adds it in the
+        # same pass ((x + residual) is both normalized and kept for the next add).
+        h, residual = self.input_layernorm.add_and_normalize(x, residual)
+        h = self.self_attn.forward(h, attn)  # forward, not __call__: see LlamaForCausalLM.forward
+        h, residual = self.post_attention_layernorm.add_and_normalize(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -362,19 +339,19 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.bind_kv_cache(k_cache, v_cache, attention_counters)
         self.argmax_counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
-    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """The residual stream after the last layer, [T, hidden], for packed input_ids [T]. The final
-        norm is compute_logits', which prefill runs on its last tokens only."""
-        h = self.model.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's output, residual stream), each [T, hidden], for packed input_ids [T]. The
+        final norm is compute_logits', which prefill runs on its last tokens only."""
+        h, residual = self.model.embed_tokens(input_ids), None
         # The layers' forward directly: a module call's hook dispatch costs host time three times a
         # layer, and the eager and fused modes are bound by the host. No hooks are registered here.
         for layer in self.model.layers:
-            h = layer.forward(h, attn)
-        return h
+            h, residual = layer.forward(h, residual, attn)
+        return h, residual
 
-    def compute_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
-        h = self.model.norm.normalize(h)
+        h = self.model.norm.add_and_normalize(h, residual)[0]
         if isinstance(self.lm_head, QuantizedLinear):
             return self.ops.linear(h, self.lm_head.weight, None, out)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -26,7 +26,8 @@ def log_probs(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
         cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=device),
         max_seqlen=n,
     )
-    return model.compute_logits(model(torch.tensor(token_ids, device=device), attn)).float().log_softmax(dim=-1).cpu()
+    h, residual = model(torch.tensor(token_ids, device=device), attn)
+    return model.compute_logits(h, residual).float().log_softmax(dim=-1).cpu()
 
 
 def compare(reference: torch.Tensor, other: torch.Tensor, first: int = 0) -> dict:

@@ -190,7 +190,8 @@ class ModelRunner:
         attn = AttentionMetadata(is_prefill=False, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
         with dependent_launches():  # no kernel of a decode step writes a weight
-            logits = self.model.compute_logits(self.model(input_ids, attn), logits_out)
+            h, residual = self.model(input_ids, attn)
+            logits = self.model.compute_logits(h, residual, logits_out)
             greedy = self.model.greedy(logits)
         if tokens_out is None:
             return logits, greedy
@@ -208,7 +209,8 @@ class ModelRunner:
         token of each sequence, whose KV it writes; to be called under torch.inference_mode()."""
         if is_prefill:
             input_ids, attn, last = self._prepare_prefill(seqs)
-            logits = self.model.compute_logits(self.model(input_ids, attn)[last])
+            h, residual = self.model(input_ids, attn)
+            logits = self.model.compute_logits(h[last], residual[last])
             return logits, self.model.greedy(logits)
         if self.graphs is None:
             return self.decode_forward(self._stage_decode(seqs, len(seqs)))
@@ -234,13 +236,13 @@ class ModelRunner:
                 cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
                 max_seqlen=max(lens),
             )
-            h = self.model(torch.zeros(n, dtype=torch.int64, device=device), attn)
+            h, residual = self.model(torch.zeros(n, dtype=torch.int64, device=device), attn)
             last = torch.tensor(bounds[1:], device=device) - 1
-            self.model.greedy(self.model.compute_logits(h[last]))
+            self.model.greedy(self.model.compute_logits(h[last], residual[last]))
         for rows in (1, 2, 16, 17):
             h = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
                             device=device)
-            self.model.greedy(self.model.compute_logits(h))
+            self.model.greedy(self.model.compute_logits(h, h))
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:

@@ -20,7 +20,7 @@ from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
 from fuselab.kernels.layer_norm import layer_norm
-from fuselab.kernels.linear import linear, rms_norm_linear, silu_and_mul_linear
+from fuselab.kernels.linear import linear
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.rope import apply_rope, rope_cos_sin
 from fuselab.kernels.rope_store import bind_rope_and_store_kv, rope_and_store_kv
@@ -51,12 +51,10 @@ __all__ = [
     "quantize_weight",
     "quantized_linear",
     "rms_norm",
-    "rms_norm_linear",
     "rope_and_store_kv",
     "rope_decode_attention",
     "rope_cos_sin",
     "silu_and_mul",
-    "silu_and_mul_linear",
     "softmax",
     "store_kv",
     "swiglu",

@@ -23,59 +23,22 @@ from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
     INTERPRETED,
-    check_eps,
     check_float_tensor,
-    check_row_vector,
     contiguous,
     needs_autograd,
     on_kernel_device,
 )
-from fuselab.kernels.rms_norm import rms_norm
-from fuselab.kernels.swiglu import silu_and_mul
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------
 
 
-# Where x comes from: the input row as it is, RMSNorm of it, or SwiGLU of a [gate | up] row of 2K.
-PLAIN: tl.constexpr = 0
-RMS_NORM: tl.constexpr = 1
-SILU_AND_MUL: tl.constexpr = 2
-
-
-@triton.jit
-def _x_block(X, NW, k0, ks, K, rstd, PROLOGUE: tl.constexpr, MASKED: tl.constexpr):
-    """Columns k0 + ks of the GEMV's input in fp32, rounded to X's dtype after any prologue, as the
-    separate kernel would have written it."""
-    k_ok = k0 + ks < K
-    if PROLOGUE == SILU_AND_MUL:
-        if MASKED:
-            g = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(X + K + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        else:
-            g = tl.load(X + k0 + ks).to(tl.float32)
-            u = tl.load(X + K + k0 + ks).to(tl.float32)
-        x = (g * tl.sigmoid(g) * u).to(X.dtype.element_ty).to(tl.float32)
-    else:
-        if MASKED:
-            x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(X + k0 + ks).to(tl.float32)
-        if PROLOGUE == RMS_NORM:
-            if MASKED:
-                nw = tl.load(NW + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            else:
-                nw = tl.load(NW + k0 + ks).to(tl.float32)
-            x = (x * rstd * nw).to(X.dtype.element_ty).to(tl.float32)
-    return x
-
-
 @triton.jit
 def _gemv_kernel(
-    X, W, B, R, NW, Y, N, K, stride_wn, eps,
-    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    X, W, B, Y, N, K, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -83,33 +46,28 @@ def _gemv_kernel(
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
     # The first block of W does not depend on the kernel before: with PDL its read overlaps that
     # kernel's end (for K <= BLOCK_K, the whole of this program's share of W).
-    w = tl.load(w_ptrs, mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+    k_ok = ks < K
+    w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
-    rstd = eps  # a placeholder without the norm
-    if PROLOGUE == RMS_NORM:  # the row's mean square first: every program reads all of x (from L2)
-        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(X + k0 + ks, mask=k0 + ks < K, other=0.0).to(tl.float32)
-            sum_sq += x * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
-    x = _x_block(X, NW, 0, ks, K, rstd, PROLOGUE, True)
+    x = tl.load(X + ks, mask=k_ok, other=0.0)
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
-    acc = w.to(tl.float32) * x[None, :]
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         if EVEN_K:
+            x = tl.load(X + k0 + ks)
             w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
         else:
-            w = tl.load(w_ptrs, mask=row_ok[:, None] & (k0 + ks < K)[None, :], other=0.0)
-        acc += w.to(tl.float32) * _x_block(X, NW, k0, ks, K, rstd, PROLOGUE, not EVEN_K)[None, :]
+            k_ok = k0 + ks < K
+            x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:  # rounded first, as y + residual after a separate projection would be
-        y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
@@ -144,29 +102,23 @@ def gemv_blocks(k: int) -> tuple[int, int]:
     return (1 if block_k > 2048 else 2), block_k
 
 
-def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
-                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                gated: bool = False) -> torch.Tensor:
-    """y [..., N] for x with one row of contiguous elements and weight [N, K] with unit column stride: x · Wᵀ
-    (+ bias) (+ residual [N]), x taken as rms_norm(x, norm_weight, eps) with `norm_weight`, or as
-    silu_and_mul(x) of a [gate | up] row of 2K with `gated`."""
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride."""
     n, k = weight.shape
-    y = x.new_empty(*x.shape[:-1], n)  # x's dtype and device
-    prologue = SILU_AND_MUL if gated else PLAIN if norm_weight is None else RMS_NORM
-    grid, launcher = _gemv_launcher(n, k, prologue, bias is not None, residual is not None, use_pdl(x.device))
-    # Absent tensors are None, compiled out with their constexprs.
-    launcher(grid, x, weight, bias, residual, norm_weight, y, n, k, weight.stride()[0], float(eps))
+    x_shape = x.shape
+    y = x.new_empty(*x_shape[:-1], n)  # x's dtype and device
+    grid, launcher = _gemv_launcher(n, k, bias is not None, use_pdl(x.device))
+    launcher(grid, x, weight, bias, y, n, k, weight.stride()[0])  # no bias: None, compiled out with HAS_BIAS
     return y
 
 
 @functools.cache
-def _gemv_launcher(n: int, k: int, prologue: int, has_bias: bool, has_residual: bool,
-                   pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
+def _gemv_launcher(n: int, k: int, has_bias: bool, pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
     """(grid, the kernel with its compile-time arguments and launch options) for a weight [n, k], once per shape."""
     block_n, block_k = gemv_blocks(k)
     return (cdiv(n, block_n),), prepare(
-        _gemv_kernel, PROLOGUE=prologue, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
+        _gemv_kernel, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
+        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,87 +161,20 @@ def _inputs_ok(x: object, weight: object, bias: object) -> bool:
             and (bias is None or (bias.dtype is dtype and bias.shape == w_shape[:1] and bias.device == device)))
 
 
-def _check_residual(residual: object, x: torch.Tensor, n: int) -> None:
-    check_float_tensor("residual", residual)
-    shape = (*x.shape[:-1], n)
-    if tuple(residual.shape) != shape:
-        raise ValueError(f"residual must have the output's shape {shape}, got {tuple(residual.shape)}")
-    if residual.dtype != x.dtype or residual.device != x.device:
-        raise TypeError(f"residual must be {x.dtype} on {x.device} like x, got {residual.dtype} on {residual.device}")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N].
 
-
-def _gemv_runs(x: torch.Tensor, weight: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
-    """One row (x [1, ...] of checked inputs), a weight with contiguous rows and too few of them for cuBLAS, no gradient."""
-    w_shape = weight.shape
-    return (x.numel() == x.shape[-1] and x.numel() > 0 and 0 not in w_shape and weight.stride()[1] == 1
-            and _few_rows_for_cublas(w_shape[0], x.device) and not needs_autograd(x, weight, *tensors))
-
-
-def _cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            residual: torch.Tensor | None) -> torch.Tensor:
-    if residual is None:
-        return F.linear(x, weight, bias)
-    if bias is not None or x.numel() == 0:
-        return F.linear(x, weight, bias) + residual
-    # The add in cuBLAS's epilogue (beta = 1): no second kernel.
-    n, k = weight.shape
-    return torch.addmm(residual.reshape(-1, n), x.reshape(-1, k), weight.t()).view(residual.shape)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N];
-    with `residual` [..., N] (x's dtype), `residual + linear(x, weight, bias)` in the same launch.
-
-    A single row (a batch-1 decode step) with N below 64 × the GPU's SM count runs the Triton GEMV
-    (the residual added in its epilogue); everything else, any input that needs a gradient, and a
-    weight whose rows are not contiguous (copying it would cost more than the GEMV saves) is cuBLAS.
+    A single row (a batch-1 decode step) with N below 64 × the GPU's SM count runs the Triton GEMV;
+    everything else, any input that needs a gradient, and a weight whose rows are not contiguous
+    (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
     """
     if not _inputs_ok(x, weight, bias):
         check_linear_inputs(x, weight, bias)  # one by one, naming what is wrong
-    if residual is not None:
-        _check_residual(residual, x, weight.shape[0])
-    if not _gemv_runs(x, weight, bias, residual):
-        return _cublas(x, weight, bias, residual)
+    x_shape, w_shape = x.shape, weight.shape
+    numel = x.numel()
+    if (numel == 0 or 0 in w_shape or weight.stride()[1] != 1 or numel != x_shape[-1]
+            or not _few_rows_for_cublas(w_shape[0], x.device) or needs_autograd(x, weight, bias)):
+        return F.linear(x, weight, bias)
     if x.stride()[-1] != 1:
         x = x.contiguous()
-    return gemv_launch(x, weight, None if bias is None else contiguous(bias),
-                       residual=None if residual is None else contiguous(residual))
-
-
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear(rms_norm(x, norm_weight, eps), weight, bias)` for inference, x [..., K]: one row runs
-    the GEMV with the norm in its prologue (each program normalizes the row it reads: one launch,
-    and the normalized row is never written); anything else is the two ops."""
-    if not _inputs_ok(x, weight, bias):
-        check_linear_inputs(x, weight, bias)
-    check_row_vector("norm_weight", norm_weight, "x", x)
-    check_eps(eps)
-    if not _gemv_runs(x, weight, bias, norm_weight):
-        return linear(rms_norm(x, norm_weight, float(eps)), weight, bias)
-    return gemv_launch(x.contiguous(), weight, None if bias is None else contiguous(bias),
-                       norm_weight=contiguous(norm_weight), eps=eps)
-
-
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, *,
-                        residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`linear(silu_and_mul(x), weight, residual=residual)` for inference: x [..., 2K] holding [gate | up],
-    weight [N, K]. One row runs the GEMV with SwiGLU in its prologue (the MLP's down projection
-    without the SwiGLU kernel before it); anything else is the two ops."""
-    check_float_tensor("x", x)
-    check_float_tensor("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
-    if x.dim() == 0 or x.shape[-1] != 2 * weight.shape[1]:
-        raise ValueError(f"x's last dim must hold [gate | up], twice weight's in_features ({weight.shape[1]}), "
-                         f"got shape {tuple(x.shape)}")
-    if x.dtype != weight.dtype or x.device != weight.device:
-        raise TypeError(f"x ({x.dtype} on {x.device}) and weight ({weight.dtype} on {weight.device}) must "
-                        "share a dtype and device")
-    if residual is not None:
-        _check_residual(residual, x, weight.shape[0])
-    if not _gemv_runs(x, weight, residual):
-        return linear(silu_and_mul(x), weight, residual=residual)
-    return gemv_launch(x.contiguous(), weight, None, residual=None if residual is None else contiguous(residual),
-                       gated=True)
+    return gemv_launch(x, weight, None if bias is None else contiguous(bias))

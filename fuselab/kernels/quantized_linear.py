@@ -46,8 +46,8 @@ from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
 
 @triton.jit
 def _gemv_kernel(
-    X, Wq, S, B, R, Y, N, K, n_words, stride_sn, magic, n_tiles,
-    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    X, Wq, S, B, Y, N, K, n_words, stride_sn, magic, n_tiles,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, RUNS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # A tile: BLOCK_N rows of W, a run of BLOCK_B 16-word blocks of each at a time, [BLOCK_N,
@@ -106,8 +106,6 @@ def _gemv_kernel(
                 y *= tl.load(S + rows)
             if HAS_BIAS:
                 y += tl.load(B + rows).to(tl.float32)
-            if HAS_RESIDUAL:  # rounded first, as y + residual after a separate projection would be
-                y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows).to(tl.float32)
             tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
             acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
         w = w_next
@@ -172,17 +170,16 @@ def gemv_config(n_words: int) -> tuple[int, int, int, int]:
     return GEMV_ROWS, block_b, max(1, block_b // 8), GEMV_PROGRAMS_PER_SM
 
 
-def _launch_gemv(x2, weight, bias, y2, config=None, residual=None) -> None:
+def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
     n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
     block_n, block_b, num_warps, per_sm = config or gemv_config(n_words)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
     launch(_gemv_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),
-        x2, weight.data, weight.scales, weight.scales if bias is None else bias,
-        weight.scales if residual is None else residual, y2, n, k, n_words,
+        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
         weight.scales.stride(0), MAGIC, n_tiles,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
         EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )
 
@@ -227,7 +224,7 @@ def _check_weight(weight: object) -> None:
         raise ValueError(f"weight.scales is on {scales.device} but weight.data is on {data.device}")
 
 
-def _check(x: object, weight: object, bias: object, out: object, residual: object) -> None:
+def _check(x: object, weight: object, bias: object, out: object) -> None:
     check_float_tensor("x", x)
     _check_weight(weight)
     if x.dim() == 0 or x.shape[-1] != weight.in_features:
@@ -246,22 +243,15 @@ def _check(x: object, weight: object, bias: object, out: object, residual: objec
                 or out.device != x.device or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {shape} {x.dtype} tensor on {x.device}, got "
                              f"{getattr(out, 'shape', out)!r}")
-    if residual is not None:
-        shape = (*x.shape[:-1], weight.out_features)
-        check_float_tensor("residual", residual)
-        if tuple(residual.shape) != shape or residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(f"residual must be a {shape} {x.dtype} tensor on {x.device}, got "
-                             f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
-    written into `out` when given; with `residual` [..., N], residual + that (the add in the GEMV's
-    epilogue). An int8 or fp8 weight at W8A8_MIN_ROWS rows or more multiplies x
+    written into `out` when given. An int8 or fp8 weight at W8A8_MIN_ROWS rows or more multiplies x
     rounded per row to its format (W8A8: int8 codes, or e4m3). Inference only: no gradient flows to
     the quantized weight."""
-    _check(x, weight, bias, out, residual)
+    _check(x, weight, bias, out)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -269,13 +259,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if out is None:
         out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
-        return out if residual is None else out.copy_(residual)
+        return out
     y2 = out.view(m, n)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     if m <= GEMV_MAX_ROWS:
-        _launch_gemv(x2, weight, bias, y2, residual=None if residual is None else residual.reshape(m, n).contiguous())
-        return out
+        _launch_gemv(x2, weight, bias, y2)
     elif weight.fmt in W8A8_FORMATS and m >= W8A8_MIN_ROWS:
         launch_w8a8(x2, weight, bias, y2)
     elif m <= FUSED_MAX_ROWS:
@@ -284,6 +273,4 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         torch.matmul(x2, dequantize(weight, x.dtype).t(), out=y2)
         if bias is not None:
             y2 += bias
-    if residual is not None:
-        y2 += residual.reshape(m, n)
     return out

@@ -68,28 +68,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    y = F.linear(x, weight, bias)
-    return y if residual is None else y + residual
-
-
-def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A pre-norm layer's normalization and the projection that reads it."""
-    return F.linear(rms_norm(x, norm_weight, eps), weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """vLLM's SiluAndMul: the last dim holds [gate, up]."""
     gate, up = x.chunk(2, dim=-1)
     return swiglu(gate, up)
-
-
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, *, residual: torch.Tensor | None = None
-                        ) -> torch.Tensor:
-    """A Llama MLP's SwiGLU on [gate, up] and its down projection, with the residual add after it."""
-    return linear(silu_and_mul(x), weight, residual=residual)
 
 
 def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,8 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, *, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x · dequantize(weight)ᵀ (+ bias) in x's dtype (+ residual); into `out` when given. An int8 or fp8 weight at
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An int8 or fp8 weight at
     W8A8_MIN_ROWS rows or more multiplies x's rows rounded to its format (in fp32), as the kernels do."""
     if weight.fmt in W8A8_FORMATS and math.prod(x.shape[:-1]) >= W8A8_MIN_ROWS:
         codes, scales = quantize_activations(x, weight.fmt)
@@ -62,6 +62,4 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
                      None if bias is None else bias.float()).to(x.dtype)
     else:
         y = F.linear(x, dequantize(weight, x.dtype), bias)
-    if residual is not None:
-        y = y + residual
     return y if out is None else out.copy_(y)
