@@ -46,7 +46,7 @@ from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_
 from fuselab.kernels._common.split_k import reduce_splits
 from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
-from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _PTX, _codes, _high_half, _int4_bf16x2
+from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
 
 MAX_BLOCK_M = 128
@@ -67,9 +67,6 @@ PROGRAM_OVERHEAD_BYTES = 64 * 1024
 # scales are bf16 (else as "wide"). gemm_config picks "wide-bf16x2" for int4 with 16-bit x.
 GEMM_VARIANTS = ("per-code", "wide", "wide-bf16x2")
 WIDE_INT4 = GEMM_VARIANTS.index("wide-bf16x2")
-# Steps of its weights the wide int4 kernel asks L2 for before it waits on the kernel before it
-# (dependent launch), so that its first loads meet them there.
-PREFETCH_STEPS = 0
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -224,19 +221,11 @@ def _wide_operand(w, s0, s1, s2, s3, magic, DTYPE: tl.constexpr, BF16X2: tl.cons
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at ptrs (no registers written: the loads that use them come later)."""
-    if _PTX:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemm_int4_wide_kernel(
     X, Wq, S, B, Y, WS, COUNTS, M, N, K, n_words, stride_xm, stride_ym, stride_sn, magic,
     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BF16X2: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BF16X2: tl.constexpr,
 ):
     # _gemm_kernel's int4 path with one tl.dot a step instead of one a code position: the operand is
     # the step's 128 · BLOCKS elements in their own order, so x^T's slice is a plain run of K (no
@@ -262,11 +251,6 @@ def _gemm_int4_wide_kernel(
     end = (split + 1) * n_steps // SPLIT_K
     s_ptrs = (S + rows[:, None, None].to(tl.int64) * stride_sn
               + (blocks[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :])[None, :, :])
-    if PREFETCH > 0:
-        LINES: tl.constexpr = max(1, BLOCK_W // 32)  # 128-byte lines a row's step spans
-        line_ptrs = Wq + rows[:, None].to(tl.int64) * n_words + tl.arange(0, LINES)[None, :] * 32
-        for p in tl.static_range(PREFETCH):
-            _prefetch_l2(line_ptrs + tl.minimum(first + p, n_steps - 1) * BLOCK_W)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     dtype = X.dtype.element_ty
@@ -416,5 +400,4 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
                **meta)
     else:
         bf16x2 = GEMM_VARIANTS[variant] == "wide-bf16x2" and x2.dtype == weight.scales.dtype == torch.bfloat16
-        launch(_gemm_int4_wide_kernel, grid, *args, GROUPS=groups, BF16X2=bf16x2,
-               PREFETCH=PREFETCH_STEPS if pdl else 0, **meta)
+        launch(_gemm_int4_wide_kernel, grid, *args, GROUPS=groups, BF16X2=bf16x2, **meta)
