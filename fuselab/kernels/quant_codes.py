@@ -39,27 +39,6 @@ shr.b32 t, whi, 8; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t,
 shr.b32 t, whi, 12; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, bias; fma.rn.bf16x2 $7, t, $17, nz;
 }""")
 
-# Codes 0-7 of two int4 words ($8, $9) as 16-bit pairs $0-$7 of the float 2^e + code, e = 7 for bf16
-# (mask 0x4300) and 10 for fp16 (0x6400), where the float's step is 1: the halves side by side (PRMT),
-# a code shifted to bit 0 of each half and OR-ed into the mantissa (LOP3). One instruction a code; the
-# offset (2^e + 8 = q's) and the group scale are left to the sums (quantized_gemm's offset kernel).
-_INT4_OFFSET_ASM = """{
-.reg .b32 wlo, whi, t;
-prmt.b32 wlo, $8, $9, 0x5410;
-prmt.b32 whi, $8, $9, 0x7632;
-lop3.b32 $0, wlo, 0x000F000F, MASK, 0xEA;
-shr.b32 t, wlo, 4; lop3.b32 $1, t, 0x000F000F, MASK, 0xEA;
-shr.b32 t, wlo, 8; lop3.b32 $2, t, 0x000F000F, MASK, 0xEA;
-shr.b32 t, wlo, 12; lop3.b32 $3, t, 0x000F000F, MASK, 0xEA;
-lop3.b32 $4, whi, 0x000F000F, MASK, 0xEA;
-shr.b32 t, whi, 4; lop3.b32 $5, t, 0x000F000F, MASK, 0xEA;
-shr.b32 t, whi, 8; lop3.b32 $6, t, 0x000F000F, MASK, 0xEA;
-shr.b32 t, whi, 12; lop3.b32 $7, t, 0x000F000F, MASK, 0xEA;
-}"""
-_INT4_OFFSET_BF16_ASM = tl.constexpr(_INT4_OFFSET_ASM.replace("MASK", "0x43004300"))
-_INT4_OFFSET_FP16_ASM = tl.constexpr(_INT4_OFFSET_ASM.replace("MASK", "0x64006400"))
-
-
 @triton.jit
 def _high_half(w, FORMAT: tl.constexpr):
     """w's high codes shifted down (logically) to where _codes reads them: one shift a word."""
@@ -120,24 +99,3 @@ def _int4_bf16x2(w, magic, s0, s1, s2, s3, s4, s5, s6, s7):
                 (_codes(w, hi, magic, 5, 0) * s5.to(tl.float32)).to(tl.bfloat16),
                 (_codes(w, hi, magic, 6, 0) * s6.to(tl.float32)).to(tl.bfloat16),
                 (_codes(w, hi, magic, 7, 0) * s7.to(tl.float32)).to(tl.bfloat16))
-
-
-@triton.jit
-def _int4_offset(w, magic, DTYPE: tl.constexpr):
-    """Codes 0-7 of int4 words w as 8 tensors of DTYPE (bf16 or fp16) holding q + OFFSET exactly,
-    OFFSET = int4_offset(DTYPE) (136 for bf16, 1032 for fp16): the code OR-ed into the mantissa of
-    the float 2^7 or 2^10, no arithmetic (_INT4_OFFSET_*_ASM)."""
-    if _PTX:
-        if DTYPE == tl.bfloat16:
-            return tl.inline_asm_elementwise(_INT4_OFFSET_BF16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-        else:
-            return tl.inline_asm_elementwise(_INT4_OFFSET_FP16_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
-                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
-    else:
-        hi = _high_half(w, 0)
-        OFFSET: tl.constexpr = 136.0 if DTYPE == tl.bfloat16 else 1032.0
-        return ((_codes(w, hi, magic, 0, 0) + OFFSET).to(DTYPE), (_codes(w, hi, magic, 1, 0) + OFFSET).to(DTYPE),
-                (_codes(w, hi, magic, 2, 0) + OFFSET).to(DTYPE), (_codes(w, hi, magic, 3, 0) + OFFSET).to(DTYPE),
-                (_codes(w, hi, magic, 4, 0) + OFFSET).to(DTYPE), (_codes(w, hi, magic, 5, 0) + OFFSET).to(DTYPE),
-                (_codes(w, hi, magic, 6, 0) + OFFSET).to(DTYPE), (_codes(w, hi, magic, 7, 0) + OFFSET).to(DTYPE))

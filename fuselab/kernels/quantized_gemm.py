@@ -46,7 +46,7 @@ from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_
 from fuselab.kernels._common.split_k import reduce_splits
 from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
-from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2, _int4_offset
+from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
 
 MAX_BLOCK_M = 128
@@ -65,11 +65,8 @@ PROGRAM_OVERHEAD_BYTES = 64 * 1024
 # _gemm_kernel (one tl.dot a code position); int4 only, _gemm_int4_wide_kernel (one tl.dot a step):
 # "wide" dequantizes in fp32 as _gemm_kernel does, "wide-bf16x2" in bf16 pairs where x and the
 # scales are bf16 (else as "wide"). gemm_config picks "wide-bf16x2" for int4 with 16-bit x.
-GEMM_VARIANTS = ("per-code", "wide", "wide-bf16x2", "wide-offset")
+GEMM_VARIANTS = ("per-code", "wide", "wide-bf16x2")
 WIDE_INT4 = GEMM_VARIANTS.index("wide-bf16x2")
-WIDE_OFFSET = GEMM_VARIANTS.index("wide-offset")
-# The offset kernel's codes are q + INT4_OFFSET[x dtype] (quant_codes._int4_offset).
-INT4_OFFSET = {torch.bfloat16: 136.0, torch.float16: 1032.0}
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -217,16 +214,10 @@ def _wide_operand(w, s0, s1, s2, s3, magic, DTYPE: tl.constexpr, BF16X2: tl.cons
         c5 = (_codes(w, hi, magic, 5, 0) * s2).to(DTYPE)
         c6 = (_codes(w, hi, magic, 6, 0) * s3).to(DTYPE)
         c7 = (_codes(w, hi, magic, 7, 0) * s3).to(DTYPE)
-    return _element_order(c0, c1, c2, c3, c4, c5, c6, c7)
-
-
-@triton.jit
-def _element_order(c0, c1, c2, c3, c4, c5, c6, c7):
-    """Codes 0-7 of words [BLOCK_N, BLOCKS, 16] as [BLOCK_N, 128 · BLOCKS], the elements in order."""
     # [BLOCK_N, BLOCKS, 16, j2, j1, j0] -> [BLOCK_N, BLOCKS, j, 16]: joins and permutes move no data,
     # so the layout Triton gives the dot's operand reaches back to the words' load (see the kernel).
     a = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-    return tl.reshape(tl.permute(a, (0, 1, 3, 4, 5, 2)), (c0.shape[0], 128 * c0.shape[1]))
+    return tl.reshape(tl.permute(a, (0, 1, 3, 4, 5, 2)), (w.shape[0], 128 * w.shape[1]))
 
 
 @triton.jit
@@ -280,62 +271,6 @@ def _gemm_int4_wide_kernel(
         if DOT_FP32:
             a, xt = a.to(tl.float32), xt.to(tl.float32)
         acc = tl.dot(a, xt, acc, input_precision=PRECISION)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if SPLIT_K == 1:
-        _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, 0, HAS_BIAS)
-    else:
-        tile = pid_n * tl.num_programs(0) + pid_m
-        last, total = reduce_splits(acc, WS, COUNTS, tile, row_ok[:, None] & m_ok[None, :], split, SPLIT_K)
-        if last:
-            _store_y(total, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, 0, HAS_BIAS)
-
-
-@triton.jit
-def _gemm_int4_offset_kernel(
-    X, Wq, S, B, Y, WS, COUNTS, M, N, K, n_words, stride_xm, stride_ym, stride_sn, magic,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, OFFSET: tl.constexpr,
-):
-    # The wide kernel for groups of 128 (a block is a group), with the dequantization moved out of the
-    # operand: the MMA multiplies the codes as q + OFFSET (the code OR-ed into a float's mantissa,
-    # one instruction a code) and each block's sums take the offset and the scale afterwards,
-    # y += s · (Σ (q + OFFSET) x − OFFSET · Σ x), a few FMAs an output per block instead of two
-    # bf16x2 FMAs every two weights. One tl.dot a block.
-    BLOCKS: tl.constexpr = BLOCK_W // 16
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    rows, row_ok = clamped_rows(pid_n, BLOCK_N, N)
-    ms, m_ok = clamped_rows(pid_m, BLOCK_M, M)
-    w_ptrs = Wq + rows[:, None, None].to(tl.int64) * n_words + tl.arange(0, 16)[None, None, :]
-    ks = tl.arange(0, 128)
-    xt_ptrs = X + ms[None, :].to(tl.int64) * stride_xm + ks[:, None]
-    s_ptrs = S + rows.to(tl.int64) * stride_sn
-    n_steps = n_words // BLOCK_W
-    first = split * n_steps // SPLIT_K
-    end = (split + 1) * n_steps // SPLIT_K
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    dtype = X.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for step in range(first, end):
-        for b in tl.static_range(BLOCKS):
-            block = step * BLOCKS + b
-            w = tl.load(w_ptrs + block * 16)
-            s = tl.load(s_ptrs + block).to(tl.float32)
-            if EVEN_K:
-                xt = tl.load(xt_ptrs + block * 128)
-            else:
-                xt = tl.load(xt_ptrs + block * 128, mask=(block * 128 + ks < K)[:, None], other=0.0)
-            c0, c1, c2, c3, c4, c5, c6, c7 = _int4_offset(w, magic, dtype)
-            a = _element_order(c0, c1, c2, c3, c4, c5, c6, c7)
-            if DOT_FP32:
-                a, xt = a.to(tl.float32), xt.to(tl.float32)
-            part = tl.dot(a, xt, input_precision=PRECISION)
-            x_sum = tl.sum(xt.to(tl.float32), axis=0)
-            acc += (part - OFFSET * x_sum[None, :]) * s[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
@@ -463,10 +398,6 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     if variant == 0:
         launch(_gemm_kernel, grid, *args, FORMAT=_FORMAT_IDS[fmt], PER_WORD=values_per_word(fmt), GROUPS=groups,
                **meta)
-    elif variant == WIDE_OFFSET and groups == 1 and x2.dtype in INT4_OFFSET:
-        # The interpreter's 16-bit dot would round the offset sums to 16 bits: in fp32 there.
-        meta.update(DOT_FP32=INTERPRETED, PRECISION="ieee" if INTERPRETED else meta["PRECISION"])
-        launch(_gemm_int4_offset_kernel, grid, *args, OFFSET=INT4_OFFSET[x2.dtype], **meta)
-    else:  # the offset kernel takes groups of 128 and 16-bit x; the others run the bf16x2 kernel's path
-        bf16x2 = variant >= WIDE_INT4 and x2.dtype == weight.scales.dtype == torch.bfloat16
+    else:
+        bf16x2 = GEMM_VARIANTS[variant] == "wide-bf16x2" and x2.dtype == weight.scales.dtype == torch.bfloat16
         launch(_gemm_int4_wide_kernel, grid, *args, GROUPS=groups, BF16X2=bf16x2, **meta)
