@@ -158,6 +158,13 @@ def test_the_rule_splits_the_narrow_projections_and_not_the_wide_ones():
     assert qg.gemm_config(64, 28672, 512, "int4", 132) == (64, 256, 32, 1, 8, 3, qg.WIDE_INT4)
     assert len(qg.gemm_config(64, 4096, 512, "int4", 132, 4)) == 6  # fp32 x: the per-code kernel
     assert qg.gemm_config(16, 28672, 512, "int4", 132)[1] == 128  # no 256-row tiles at 16 rows
+    # Up to 16 rows, more tiles of W than SMs: 32-word steps at 4 warps (gate/up, lm_head); not at
+    # one wave of tiles (the 1B gate/up) nor with split-K (down).
+    assert qg.gemm_config(1, 28672, 512, "int4", 132) == (16, 128, 32, 1, 4, 3, qg.WIDE_INT4)
+    assert qg.gemm_config(16, 128256, 256, "int4", 132) == (16, 128, 32, 1, 4, 3, qg.WIDE_INT4)
+    assert qg.gemm_config(1, 16384, 256, "int4", 132) == (16, 128, 64, 1, 8, 3, qg.WIDE_INT4)
+    assert qg.gemm_config(1, 4096, 1792, "int4", 132) == (16, 128, 64, 4, 8, 3, qg.WIDE_INT4)
+    assert qg.gemm_config(32, 28672, 512, "int4", 132) == (32, 256, 32, 1, 8, 3, qg.WIDE_INT4)  # past 16 rows as before
     assert qg.gemm_config(16, 4096, 1024, "int8", 132)[3] == 4
     assert qg.gemm_config(16, 128256, 1024, "int8", 132)[3] == 1
 

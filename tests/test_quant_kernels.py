@@ -54,6 +54,22 @@ def test_one_row_runs_the_gemv(device, monkeypatch, fmt, group, dtype, n, k):
     assert taken == ["_launch_gemv"]
 
 
+@pytest.mark.parametrize("fmt, group, dtype, runs_mma", [
+    ("int4", 128, torch.bfloat16, True), ("int4", 128, torch.float16, False), ("int4", 128, torch.float32, False),
+    ("int4", 64, torch.bfloat16, False), ("int8", 0, torch.bfloat16, False), ("fp8", 0, torch.bfloat16, False)])
+def test_one_row_of_a_large_int4_weight_runs_the_tensor_core_kernel(device, monkeypatch, fmt, group, dtype, runs_mma):
+    # The size threshold lowered so that a small weight counts as large; only int4 in groups of 128
+    # with bf16 x and scales crosses it.
+    monkeypatch.setattr(ql, "MMA_ONE_ROW_MIN_WEIGHTS", 37 * 200)
+    taken = _path(monkeypatch)
+    _check(_randn((1, 200), dtype, device, 5), _weight(fmt, group, 37, 200, device, 6))
+    assert taken == (["launch_gemm"] if runs_mma else ["_launch_gemv"])
+    taken.clear()
+    monkeypatch.setattr(ql, "MMA_ONE_ROW_MIN_WEIGHTS", 37 * 200 + 1)
+    _check(_randn((1, 200), dtype, device, 5), _weight(fmt, group, 37, 200, device, 6))
+    assert taken == ["_launch_gemv"]
+
+
 @pytest.mark.parametrize("fmt, group", FORMATS)
 def test_the_gemv_steps_several_runs_and_masks_a_partial_last_block(device, monkeypatch, fmt, group):
     # One block a run: a 5-block row (one of them partial) takes 5 runs, the last re-reading itself.

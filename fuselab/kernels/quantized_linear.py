@@ -6,7 +6,9 @@ dequantized in registers, never written back. The paths, by rows of x (M):
 
 - M <= GEMV_MAX_ROWS: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program walks tiles of a few
   rows of W in runs of 16-byte word loads (its first run requested before it waits for the kernel
-  before, and each next run before the current one is used), so every SM streams weights.
+  before, and each next run before the current one is used), so every SM streams weights. Large
+  int4 weights at bf16 x (MMA_ONE_ROW_MIN_WEIGHTS) take the tensor-core kernel below instead: its
+  bf16x2 dequantization costs fewer instructions a weight than the GEMV's fp32 FMAs.
 - M <= FUSED_MAX_ROWS: quantized_gemm's tensor-core kernel, the dequantized weight fed to tl.dot
   as the left operand (y^T = W · x^T, so a few rows of x fill the MMA's narrow side), split-K
   where the tiles of W alone would leave SMs idle.
@@ -152,6 +154,11 @@ FUSED_MAX_ROWS = 256
 # rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
 # docs/quantization.md); fewer, not timed. int8 takes the same kernel and rule.
 W8A8_MIN_ROWS = 16
+# int4 weights (groups of 128, bf16 x and scales) of at least this many weights run the wide
+# tensor-core kernel at one row too: faster than the GEMV on the Llama 3 8B gate/up, down and lm_head
+# and the 1B gate/up and lm_head, slower on the smaller q/k/v and output projections
+# (scripts/tune-quant-gemv --formats int4 --rows 1; docs/quantization.md).
+MMA_ONE_ROW_MIN_WEIGHTS = 1 << 25
 # The GEMV's tile: 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM:
 # within a few percent of the fastest of 18 configurations at every Llama 3 8B projection and format.
 GEMV_ROWS = 4
@@ -245,6 +252,11 @@ def _check(x: object, weight: object, bias: object, out: object) -> None:
                              f"{getattr(out, 'shape', out)!r}")
 
 
+def _mma_at_one_row(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
+    return (weight.fmt == "int4" and weight.group_size == 128 and x2.dtype == weight.scales.dtype == torch.bfloat16
+            and weight.out_features * weight.in_features >= MMA_ONE_ROW_MIN_WEIGHTS)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
@@ -263,7 +275,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     y2 = out.view(m, n)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if m <= GEMV_MAX_ROWS:
+    if m <= GEMV_MAX_ROWS and not _mma_at_one_row(x2, weight):
         _launch_gemv(x2, weight, bias, y2)
     elif weight.fmt in W8A8_FORMATS and m >= W8A8_MIN_ROWS:
         launch_w8a8(x2, weight, bias, y2)
