@@ -330,7 +330,7 @@ def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int =
     - num_warps: gemm_num_warps.
     - int4 at 16-bit x: the wide kernel, its operand in registers (gemm_shared_bytes), and no tiles
       of 256 rows of W at 16 rows of x (2-3x slower than 128 there, on the Llama 3 8B projections);
-      at up to 16 rows with more tiles of W than SMs, 32-word steps at 4 warps.
+      at up to 16 rows with more tiles of W than SMs, 32-word steps first and 4 warps.
     """
     wide = fmt == "int4" and x_bytes == 2
     variant = WIDE_INT4 if wide else 0
@@ -340,18 +340,17 @@ def gemm_config(m: int, n: int, n_words: int, fmt: str, sms: int, x_bytes: int =
     _, split_k, block_n = min(
         (_bytes_per_sm(m, n, n_words, fmt, sms, x_bytes, block_m, bn, s), s, -bn) for bn in widths for s in splits)
     block_n = -block_n
+    # More than a wave of tiles of W at the wide kernel's 16 rows: 32-word steps at 4 warps leave room for
+    # 3 programs an SM, whose loads hide each other's latency (gate/up and lm_head at 1 and 16 rows: 8-16% faster).
+    many_tiles = wide and block_m == 16 and split_k == 1 and cdiv(n, block_n) > sms
     num_stages = NUM_STAGES
-    for block_w in (64, 32, 16):
+    for block_w in (32, 64, 16) if many_tiles else (64, 32, 16):
         if (n_words % block_w == 0 and n_words // block_w >= split_k and block_n * block_w <= MAX_STEP_WORDS
                 and gemm_shared_bytes(block_m, block_n, block_w, fmt, num_stages, x_bytes, variant) <= SHARED_BUDGET):
             break
     else:
         num_stages = 2
-    num_warps = gemm_num_warps(block_m, block_n, block_w)
-    if wide and block_m == 16 and split_k == 1 and cdiv(n, block_n) > sms and n_words % 32 == 0:
-        # More than a wave of tiles: 32-word steps at 4 warps leave room for 3 programs an SM, whose
-        # loads hide each other's latency (gate/up and lm_head at 1 and 16 rows: 8-16% faster).
-        block_w, num_warps = 32, 4
+    num_warps = 4 if many_tiles else gemm_num_warps(block_m, block_n, block_w)
     config = (block_m, block_n, block_w, split_k, num_warps, num_stages)
     return config + (variant,) if wide else config
 
