@@ -30,7 +30,9 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     rows_and_vector_ok,
 )
-from fuselab.kernels._common.launch import EARLY_TRIGGER
+from fuselab.kernels._common.launch import early_trigger
+
+EARLY_TRIGGER = early_trigger("norm")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

@@ -23,7 +23,9 @@ from fuselab.kernels._common.validate import (
     like_ok,
     needs_autograd,
 )
-from fuselab.kernels._common.launch import EARLY_TRIGGER
+from fuselab.kernels._common.launch import early_trigger
+
+EARLY_TRIGGER = early_trigger("swiglu")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
