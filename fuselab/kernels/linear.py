@@ -28,9 +28,7 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     on_kernel_device,
 )
-from fuselab.kernels._common.launch import early_trigger
-
-EARLY_TRIGGER = early_trigger("gemv")
+from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel

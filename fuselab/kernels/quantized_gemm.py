@@ -48,9 +48,7 @@ from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
-from fuselab.kernels._common.launch import early_trigger
-
-EARLY_TRIGGER = early_trigger("quant")
+from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 MAX_BLOCK_M = 128
 MAX_SPLIT_K = 8

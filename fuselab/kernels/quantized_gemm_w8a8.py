@@ -53,9 +53,7 @@ from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import _FORMAT_IDS
 from fuselab.kernels.quant_pack import FP8_MAX, QuantizedWeight
-from fuselab.kernels._common.launch import early_trigger
-
-EARLY_TRIGGER = early_trigger("quant")
+from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 W8A8_FORMATS = ("int8", "fp8")
 FP32_TINY = torch.finfo(torch.float32).tiny  # the scale floor: a normal fp32, so x / s never divides by 0

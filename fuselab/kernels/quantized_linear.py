@@ -40,9 +40,7 @@ from fuselab.kernels.quant_pack import (
     BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
 from fuselab.kernels.quantized_gemm import launch_gemm
 from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
-from fuselab.kernels._common.launch import early_trigger
-
-EARLY_TRIGGER = early_trigger("quant")
+from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

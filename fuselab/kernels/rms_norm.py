@@ -30,9 +30,7 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     rows_and_vector_ok,
 )
-from fuselab.kernels._common.launch import early_trigger
-
-EARLY_TRIGGER = early_trigger("norm")
+from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

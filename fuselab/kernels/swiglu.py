@@ -23,9 +23,7 @@ from fuselab.kernels._common.validate import (
     like_ok,
     needs_autograd,
 )
-from fuselab.kernels._common.launch import early_trigger
-
-EARLY_TRIGGER = early_trigger("swiglu")
+from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels

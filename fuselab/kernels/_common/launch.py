@@ -27,17 +27,7 @@ _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpre
 # Where a kernel lets the next one launch (experiment, FUSELAB_PDL_TRIGGER): "early", right after its own
 # wait, so that the next kernel's programs take the SMs this one leaves idle and read their weights during
 # its run; "late", after its main loop (or at its exit).
-_EARLY = os.environ.get("FUSELAB_PDL_EARLY", "all").split(",")
-
-
-def early_trigger(group: str) -> tl.constexpr:
-    """FUSELAB_PDL_EARLY (experiment): "all", "none", groups, or "all,-group,...": which kernels trigger early."""
-    if os.environ.get("FUSELAB_PDL_TRIGGER") == "late" or "none" in _EARLY or f"-{group}" in _EARLY:
-        return tl.constexpr(False)
-    return tl.constexpr("all" in _EARLY or group in _EARLY)
-
-
-EARLY_TRIGGER = early_trigger("other")
+EARLY_TRIGGER = tl.constexpr(os.environ.get("FUSELAB_PDL_TRIGGER", "early") != "late")
 # Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
 # thread's (and one asyncio task's), never another's.
 _pdl_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_dependent_launches", default=False)
