@@ -30,7 +30,6 @@ from fuselab.kernels._common.validate import (
     counters_ok,
     float_tensor_ok,
 )
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -80,8 +79,6 @@ def _argmax_kernel(
     # maxima (float32); with one, COUNTS is None.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)

@@ -35,7 +35,6 @@ from fuselab.kernels._common.validate import (
     on_kernel_device,
 )
 from fuselab.kernels.linear import check_linear_inputs
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -78,8 +77,6 @@ def _gate_up_swiglu_kernel(
     wu = tl.load(g_ptrs + I, mask=ok, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
     acc_g = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -96,8 +93,7 @@ def _gate_up_swiglu_kernel(
         acc_u += wu.to(tl.float32) * x
         wg, wu = next_g, next_u
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     g = tl.sum(acc_g, axis=0)
     u = tl.sum(acc_u, axis=0)
     if SPLIT_K == 1:

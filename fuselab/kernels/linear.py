@@ -28,7 +28,6 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     on_kernel_device,
 )
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -51,8 +50,6 @@ def _gemv_kernel(
     w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(X + ks, mask=k_ok, other=0.0)
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -67,8 +64,7 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)

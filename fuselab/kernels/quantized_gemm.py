@@ -48,7 +48,6 @@ from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight, block_elements, values_per_word
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 MAX_BLOCK_M = 128
 MAX_SPLIT_K = 8
@@ -140,8 +139,6 @@ def _gemm_kernel(
         s_next = tl.load(s_ptrs + tl.minimum(first, n_steps - 1) * (BLOCKS * GROUPS))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     dtype = X.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(first, end):
@@ -171,8 +168,7 @@ def _gemm_kernel(
                 a, xt = a.to(tl.float32), xt.to(tl.float32)
             acc = tl.dot(a, xt, acc, input_precision=PRECISION)
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
     else:
@@ -257,8 +253,6 @@ def _gemm_int4_wide_kernel(
               + (blocks[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :])[None, :, :])
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     dtype = X.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(first, end):
@@ -278,8 +272,7 @@ def _gemm_int4_wide_kernel(
             a, xt = a.to(tl.float32), xt.to(tl.float32)
         acc = tl.dot(a, xt, acc, input_precision=PRECISION)
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, 0, HAS_BIAS)
     else:

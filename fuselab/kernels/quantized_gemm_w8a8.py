@@ -53,7 +53,6 @@ from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import _FORMAT_IDS
 from fuselab.kernels.quant_pack import FP8_MAX, QuantizedWeight
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 W8A8_FORMATS = ("int8", "fp8")
 FP32_TINY = torch.finfo(torch.float32).tiny  # the scale floor: a normal fp32, so x / s never divides by 0
@@ -132,10 +131,7 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     q_row = XQ + row * KP
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)
@@ -190,8 +186,6 @@ def _w8a8_kernel(
     end = (split + 1) * n_steps // SPLIT_K
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     if FORMAT == _INT8:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
@@ -207,8 +201,7 @@ def _w8a8_kernel(
             acc = tl.dot(w, xt, acc, max_num_imprecise_acc=BLOCK_K)
     acc = acc.to(tl.float32)  # int8's int32 sums (exact up to 2^24, then rounded once); fp8's as they are
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_y(acc, WS, XS, B, Y, rows, row_ok, ms, m_ok, stride_ym, HAS_BIAS)
     else:

@@ -40,7 +40,6 @@ from fuselab.kernels.quant_pack import (
     BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
 from fuselab.kernels.quantized_gemm import launch_gemm
 from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -74,8 +73,6 @@ def _gemv_kernel(
     w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
     for i in range(0, steps):
         nxt = tl.minimum(i + 1, steps - 1)
@@ -115,8 +112,7 @@ def _gemv_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
         w = w_next
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -36,7 +36,6 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     on_kernel_device,
 )
-from fuselab.kernels._common.launch import EARLY_TRIGGER
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
@@ -152,8 +151,6 @@ def _rope_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
@@ -213,8 +210,6 @@ def _rope_decode_kernel(
     # inputs (the output pointers are not read); each element is loaded and stored by the same thread.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)

@@ -24,10 +24,6 @@ from fuselab.device import triton_interpreted
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
 # (docs/tuning/common-constants.md). FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
-# Where a kernel lets the next one launch (experiment, FUSELAB_PDL_TRIGGER): "early", right after its own
-# wait, so that the next kernel's programs take the SMs this one leaves idle and read their weights during
-# its run; "late", after its main loop (or at its exit).
-EARLY_TRIGGER = tl.constexpr(os.environ.get("FUSELAB_PDL_TRIGGER", "early") != "late")
 # Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
 # thread's (and one asyncio task's), never another's.
 _pdl_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_dependent_launches", default=False)
