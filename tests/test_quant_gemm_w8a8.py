@@ -347,6 +347,32 @@ def test_quantized_linear_takes_w8a8_for_8bit_weights_from_its_row_count(device,
     _close(y, reference_quant.quantized_linear(x.view(1, m, 130), weight, bias), torch.bfloat16, scale=4.0, fmt=fmt)
 
 
+@pytest.mark.parametrize("fmt, large, path", [
+    *((fmt, True, "launch_w8a8") for fmt in FORMATS), *((fmt, False, "_launch_gemv") for fmt in FORMATS),
+    ("int4", True, "launch_gemm"),  # int4 stays weight-only (its own one-row threshold takes the MMA)
+])
+def test_one_row_of_a_large_8bit_weight_runs_w8a8(device, monkeypatch, fmt, large, path):
+    # The size threshold lowered (or just missed) so that a small weight counts as large or not.
+    monkeypatch.setattr(ql, "W8A8_ONE_ROW_MIN_WEIGHTS", 24 * 256 + (0 if large else 1))
+    monkeypatch.setattr(ql, "MMA_ONE_ROW_MIN_WEIGHTS", 24 * 256)
+    taken = _path(monkeypatch)
+    weight = quantize_weight(_randn((24, 256), torch.float32, device, 1) * 0.1, fmt)
+    x = _randn((1, 256), torch.bfloat16, device, 2)
+    y = quantized_linear(x, weight)
+    assert taken == [path] and y.shape == (1, 24)
+    assert ql.runs_w8a8(1, weight) == (path == "launch_w8a8")
+    if path == "launch_w8a8":
+        expected = _expected(x, weight, None)  # x rounded to the weight's format
+    else:
+        expected = x.double().cpu() @ dequantize(weight).cpu().t()
+    _close(y, expected, torch.bfloat16, scale=4.0, fmt=fmt)
+    # The engine's eager reference rounds x at one row exactly when the kernels do.
+    codes, scales = reference_quant.quantize_activations(x, fmt)
+    rounded = torch.nn.functional.linear(codes.float() * scales[:, None],
+                                         reference_quant.dequantize(weight, torch.float32))
+    assert torch.equal(reference_quant.quantized_linear(x, weight), rounded.to(x.dtype)) == (path == "launch_w8a8")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_linear_checks_its_inputs_before_the_w8a8_path(device, fmt):
     weight = _weight(24, 130, device, fmt=fmt)

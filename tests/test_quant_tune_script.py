@@ -27,7 +27,8 @@ def test_smoke_checks_every_variant_and_writes_the_results(tmp_path):
     result = json.loads((tmp_path / "tune-quant-gemv.json").read_text())
     paths = {(r["format"], r["m"], r["path"]) for r in result["results"]}
     assert {("int4", 1, "gemv"), ("int8", 4, "mma"), ("fp8", 4, "dequantize+cublas"), ("int4-g32", 1, "engine"),
-            ("fp8", 4, "fp8 W8A8 triton"), ("fp8", 16, "fp8 W8A8 triton"), ("int8", 16, "int8 W8A8 triton")} <= paths
+            ("fp8", 4, "fp8 W8A8 triton"), ("fp8", 16, "fp8 W8A8 triton"), ("int8", 16, "int8 W8A8 triton"),
+            ("int8", 1, "int8 W8A8 triton"), ("fp8", 1, "fp8 W8A8 triton")} <= paths
     assert sum(r["path"] == "fp8 W8A8 triton" and r["m"] == 16 for r in result["results"]) > 1  # the rule and others
     assert sum(r["path"] == "int8 W8A8 triton" and r["m"] == 16 for r in result["results"]) > 1
     assert all(r["ok"] for r in result["results"]), [r for r in result["results"] if not r["ok"]]

@@ -77,6 +77,7 @@ def _gate_up_swiglu_kernel(
     wu = tl.load(g_ptrs + I, mask=ok, other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
     acc_g = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -92,8 +93,6 @@ def _gate_up_swiglu_kernel(
         acc_g += wg.to(tl.float32) * x
         acc_u += wu.to(tl.float32) * x
         wg, wu = next_g, next_u
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     g = tl.sum(acc_g, axis=0)
     u = tl.sum(acc_u, axis=0)
     if SPLIT_K == 1:

@@ -64,7 +64,9 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+        # After the loop, not after the wait as the step's other kernels: this GEMV streams W at the copy
+        # rate, and the next kernel launched during its run slowed the step (docs/tuning/decode-step.md).
+        tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)

@@ -139,6 +139,7 @@ def _gemm_kernel(
         s_next = tl.load(s_ptrs + tl.minimum(first, n_steps - 1) * (BLOCKS * GROUPS))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     dtype = X.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(first, end):
@@ -167,8 +168,6 @@ def _gemm_kernel(
             if DOT_FP32:
                 a, xt = a.to(tl.float32), xt.to(tl.float32)
             acc = tl.dot(a, xt, acc, input_precision=PRECISION)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, FORMAT, HAS_BIAS)
     else:
@@ -253,6 +252,7 @@ def _gemm_int4_wide_kernel(
               + (blocks[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :])[None, :, :])
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     dtype = X.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for step in range(first, end):
@@ -271,8 +271,6 @@ def _gemm_int4_wide_kernel(
         if DOT_FP32:
             a, xt = a.to(tl.float32), xt.to(tl.float32)
         acc = tl.dot(a, xt, acc, input_precision=PRECISION)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_y(acc, S, B, Y, rows, row_ok, ms, m_ok, stride_ym, 0, HAS_BIAS)
     else:

@@ -131,7 +131,7 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     q_row = XQ + row * KP
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)
@@ -186,6 +186,7 @@ def _w8a8_kernel(
     end = (split + 1) * n_steps // SPLIT_K
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     if FORMAT == _INT8:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
@@ -200,8 +201,6 @@ def _w8a8_kernel(
         else:
             acc = tl.dot(w, xt, acc, max_num_imprecise_acc=BLOCK_K)
     acc = acc.to(tl.float32)  # int8's int32 sums (exact up to 2^24, then rounded once); fp8's as they are
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_y(acc, WS, XS, B, Y, rows, row_ok, ms, m_ok, stride_ym, HAS_BIAS)
     else:

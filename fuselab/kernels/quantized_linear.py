@@ -13,9 +13,10 @@ dequantized in registers, never written back. The paths, by rows of x (M):
   as the left operand (y^T = W · x^T, so a few rows of x fill the MMA's narrow side), split-K
   where the tiles of W alone would leave SMs idle.
 - larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
-- int8 and fp8 from W8A8_MIN_ROWS rows, prefill included: W8A8 (quantized_gemm_w8a8), x quantized
-  per row to the weight's format and an 8-bit × 8-bit tensor-core GEMM (int8 × int8 summed in int32,
-  fp8 × fp8 in fp32); below, they stay weight-only as int4 does everywhere.
+- int8 and fp8 from W8A8_MIN_ROWS rows, prefill included, and at one row for large weights
+  (W8A8_ONE_ROW_MIN_WEIGHTS): W8A8 (quantized_gemm_w8a8), x quantized per row to the weight's format
+  and an 8-bit × 8-bit tensor-core GEMM (int8 × int8 summed in int32, fp8 × fp8 in fp32); otherwise
+  they stay weight-only as int4 does everywhere.
 
 Dequantization without int-to-float conversions (quant_codes: a code OR-ed into the mantissa of
 2^23 is the float 2^23 + code, one FFMA gives q exactly). In the GEMV, int4 group scales multiply
@@ -73,6 +74,7 @@ def _gemv_kernel(
     w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
     for i in range(0, steps):
         nxt = tl.minimum(i + 1, steps - 1)
@@ -111,8 +113,6 @@ def _gemv_kernel(
             tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
             acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
         w = w_next
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -154,6 +154,10 @@ FUSED_MAX_ROWS = 256
 # rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
 # docs/quantization.md); fewer, not timed. int8 takes the same kernel and rule.
 W8A8_MIN_ROWS = 16
+# int8 and fp8 weights of at least this many weights run W8A8 at one row of x too: the 8-bit MMA reads
+# the codes as they are loaded, where the GEMV converts each one (on the Llama 3 8B gate/up and lm_head,
+# 37 against 45 µs and 134 against 165; q/k/v, output and down stay faster on the GEMV).
+W8A8_ONE_ROW_MIN_WEIGHTS = 1 << 26
 # int4 weights (groups of 128, bf16 x and scales) of at least this many weights run the wide
 # tensor-core kernel at one row too: faster than the GEMV on the Llama 3 8B gate/up, down and lm_head
 # and the 1B gate/up and lm_head, slower on the smaller q/k/v and output projections
@@ -252,6 +256,14 @@ def _check(x: object, weight: object, bias: object, out: object) -> None:
                              f"{getattr(out, 'shape', out)!r}")
 
 
+def runs_w8a8(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether quantized_linear multiplies `rows` rows of x by `weight` as W8A8 (x rounded per row to the
+    weight's 8-bit format): from W8A8_MIN_ROWS rows, and at one row for weights of W8A8_ONE_ROW_MIN_WEIGHTS."""
+    if weight.fmt not in W8A8_FORMATS:
+        return False
+    return rows >= W8A8_MIN_ROWS or (rows == 1 and weight.out_features * weight.in_features >= W8A8_ONE_ROW_MIN_WEIGHTS)
+
+
 def _mma_at_one_row(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
     return (weight.fmt == "int4" and weight.group_size == 128 and x2.dtype == weight.scales.dtype == torch.bfloat16
             and weight.out_features * weight.in_features >= MMA_ONE_ROW_MIN_WEIGHTS)
@@ -260,8 +272,8 @@ def _mma_at_one_row(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
-    written into `out` when given. An int8 or fp8 weight at W8A8_MIN_ROWS rows or more multiplies x
-    rounded per row to its format (W8A8: int8 codes, or e4m3). Inference only: no gradient flows to
+    written into `out` when given. An int8 or fp8 weight multiplies x rounded per row to its format
+    (W8A8: int8 codes, or e4m3) where `runs_w8a8` says so. Inference only: no gradient flows to
     the quantized weight."""
     _check(x, weight, bias, out)
     x2 = x.reshape(-1, x.shape[-1])
@@ -275,10 +287,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     y2 = out.view(m, n)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if m <= GEMV_MAX_ROWS and not _mma_at_one_row(x2, weight):
-        _launch_gemv(x2, weight, bias, y2)
-    elif weight.fmt in W8A8_FORMATS and m >= W8A8_MIN_ROWS:
+    if runs_w8a8(m, weight):
         launch_w8a8(x2, weight, bias, y2)
+    elif m <= GEMV_MAX_ROWS and not _mma_at_one_row(x2, weight):
+        _launch_gemv(x2, weight, bias, y2)
     elif m <= FUSED_MAX_ROWS:
         launch_gemm(x2, weight, bias, y2)
     else:

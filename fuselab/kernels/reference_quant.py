@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fuselab.kernels.quant_pack import BLOCK_WORDS, FP8_MAX, QuantizedWeight, _BITS, values_per_word
-from fuselab.kernels.quantized_linear import W8A8_FORMATS, W8A8_MIN_ROWS
+from fuselab.kernels.quantized_linear import runs_w8a8
 
 
 def unpack_codes(weight: QuantizedWeight) -> torch.Tensor:
@@ -54,9 +54,9 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An int8 or fp8 weight at
-    W8A8_MIN_ROWS rows or more multiplies x's rows rounded to its format (in fp32), as the kernels do."""
-    if weight.fmt in W8A8_FORMATS and math.prod(x.shape[:-1]) >= W8A8_MIN_ROWS:
+    """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An int8 or fp8 weight
+    multiplies x's rows rounded to its format (in fp32) where the kernels do (`runs_w8a8`)."""
+    if runs_w8a8(math.prod(x.shape[:-1]), weight):
         codes, scales = quantize_activations(x, weight.fmt)
         y = F.linear(codes.float() * scales[..., None], dequantize(weight, torch.float32),
                      None if bias is None else bias.float()).to(x.dtype)

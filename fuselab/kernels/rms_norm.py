@@ -48,12 +48,11 @@ def _rms_norm_forward_kernel(
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel before writes it: read before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if STORE_RSTD:
         tl.store(RSTD + row, rstd)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
     tl.store(Y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -65,6 +64,7 @@ def _rms_norm_forward_looped_kernel(
     """For rows longer than one block: a pass for the mean square, a second to normalize."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)

@@ -151,6 +151,7 @@ def _rope_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
@@ -210,6 +211,7 @@ def _rope_decode_kernel(
     # inputs (the output pointers are not read); each element is loaded and stored by the same thread.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)

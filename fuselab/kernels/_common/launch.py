@@ -22,7 +22,9 @@ from fuselab.device import triton_interpreted
 # while the kernel before it drains its last wave; it loads what no kernel of the step writes (the
 # weights), then waits (gdc_wait) before it reads that kernel's output or writes anything. In a
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
-# (docs/tuning/common-constants.md). FUSELAB_PDL=0 turns it off.
+# (docs/tuning/common-constants.md). A kernel lets the next one launch (gdc_launch_dependents) right
+# after its own wait, so that the next kernel's programs take the SMs it leaves idle and read their
+# weights during its run; the bf16 GEMV alone triggers after its loop. FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
 # Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
 # thread's (and one asyncio task's), never another's.
