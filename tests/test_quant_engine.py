@@ -4,6 +4,7 @@ untied heads, eager against fused, the quality metrics, the CLI and the bench's 
 from __future__ import annotations
 
 import argparse
+import importlib
 import warnings
 
 import pytest
@@ -89,6 +90,26 @@ def test_fused_kernels_give_the_tokens_of_the_eager_reference(checkpoints, arch,
         warnings.simplefilter("ignore")  # fused on the CPU: the interpreter warning
         fused = LLM(path, mode="fused", dtype="float32", max_model_len=64, quantization=quantization)
     assert [o.token_ids for o in fused.generate(PROMPTS, GREEDY)] == [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_8bit_weights_as_w8a8_at_one_row_give_the_eager_tokens(checkpoints, monkeypatch, quantization):
+    # Every 8-bit weight counted as large: decode's one-row products round x as W8A8, in the kernels and in
+    # the eager reference alike (the tiny model's weights are far below the real threshold).
+    ql = importlib.import_module("fuselab.kernels.quantized_linear")
+    monkeypatch.setattr(ql, "W8A8_ONE_ROW_MIN_WEIGHTS", 1)
+    taken = []
+    launch = ql.launch_w8a8
+    monkeypatch.setattr(ql, "launch_w8a8", lambda x2, *a, **kw: taken.append(x2.shape[0]) or launch(x2, *a, **kw))
+    path = checkpoints["llama3"][1]
+    eager = LLM(path, mode="eager", dtype="float32", max_model_len=64, quantization=quantization)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fused on the CPU: the interpreter warning
+        fused = LLM(path, mode="fused", dtype="float32", max_model_len=64, quantization=quantization)
+    prompt = [PROMPTS[0]]
+    expected = [o.token_ids for o in eager.generate(prompt, GREEDY)]
+    assert [o.token_ids for o in fused.generate(prompt, GREEDY)] == expected
+    assert 1 in taken  # a decode step's one row went through W8A8
 
 
 def test_a_random_preset_quantizes_the_weights_its_float_model_draws():
