@@ -154,9 +154,9 @@ FUSED_MAX_ROWS = 256
 # rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
 # docs/quantization.md); fewer, not timed. int8 takes the same kernel and rule.
 W8A8_MIN_ROWS = 16
-# int8 and fp8 weights of at least this many weights run W8A8 at one row of x too: the 8-bit MMA reads
-# the codes as they are loaded, where the GEMV converts each one (on the Llama 3 8B gate/up and lm_head,
-# 37 against 45 µs and 134 against 165; q/k/v, output and down stay faster on the GEMV).
+# int8 and fp8 weights of at least this many weights run W8A8 at one row of x too: the 8-bit MMA takes
+# the codes as loaded, where the GEMV converts each one. Faster than the GEMV on the Llama 3 8B gate/up
+# and lm_head, slower on q/k/v, output and down (scripts/tune-quant-gemv --rows 1; docs/quantization.md).
 W8A8_ONE_ROW_MIN_WEIGHTS = 1 << 26
 # int4 weights (groups of 128, bf16 x and scales) of at least this many weights run the wide
 # tensor-core kernel at one row too: faster than the GEMV on the Llama 3 8B gate/up, down and lm_head
@@ -261,7 +261,8 @@ def runs_w8a8(rows: int, weight: QuantizedWeight) -> bool:
     weight's 8-bit format): from W8A8_MIN_ROWS rows, and at one row for weights of W8A8_ONE_ROW_MIN_WEIGHTS."""
     if weight.fmt not in W8A8_FORMATS:
         return False
-    return rows >= W8A8_MIN_ROWS or (rows == 1 and weight.out_features * weight.in_features >= W8A8_ONE_ROW_MIN_WEIGHTS)
+    large = weight.out_features * weight.in_features >= W8A8_ONE_ROW_MIN_WEIGHTS
+    return rows >= W8A8_MIN_ROWS or (rows == 1 and large)
 
 
 def _mma_at_one_row(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
