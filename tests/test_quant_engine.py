@@ -19,7 +19,8 @@ from fuselab.engine import LLM, SamplingParams
 from fuselab.engine import cli as engine_cli
 from fuselab.engine.engine_config import EXPERIMENTAL_GPU_QUANT, EngineConfig
 from fuselab.engine.quant_quality import compare, log_probs
-from fuselab.engine.quantize import QUANTIZATION_CHOICES, QuantizedLinear, parse_quantization, weight_bytes
+from fuselab.engine.quantize import (
+    QUANTIZATION_CHOICES, SPLIT_COUNTERS, QuantizedLinear, parse_quantization, weight_bytes)
 from fuselab.kernels import quantize_weight
 
 
@@ -110,6 +111,19 @@ def test_8bit_weights_as_w8a8_at_one_row_give_the_eager_tokens(checkpoints, monk
     expected = [o.token_ids for o in eager.generate(prompt, GREEDY)]
     assert [o.token_ids for o in fused.generate(prompt, GREEDY)] == expected
     assert 1 in taken  # a decode step's one row went through W8A8
+
+
+def test_each_layer_carries_split_k_counters_that_stay_at_zero(checkpoints):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fused on the CPU: the interpreter warning
+        llm = LLM(checkpoints["llama3"][1], mode="fused", dtype="float32", max_model_len=64, quantization="int8")
+    layers = [m for m in llm.model.modules() if isinstance(m, QuantizedLinear)]
+    llm.generate(PROMPTS, GREEDY)
+    for layer in layers:
+        counters = layer.weight.counters
+        assert counters.dtype == torch.int32 and counters.numel() == SPLIT_COUNTERS
+        assert counters.device == layer.qweight.device and not counters.any()
+    assert len({id(layer.weight.counters) for layer in layers}) == len(layers)  # a layer's own
 
 
 def test_a_random_preset_quantizes_the_weights_its_float_model_draws():

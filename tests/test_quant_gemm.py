@@ -122,6 +122,34 @@ def test_split_k_leaves_its_counters_at_zero(device, fmt, group):
     assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize("fmt, group", [("int4", 128), ("int8", 0)])
+def test_split_k_draws_its_tickets_from_the_weights_own_counters(device, monkeypatch, fmt, group):
+    # A weight that carries counters (as the engine's layers do): no fresh buffer is zeroed for the
+    # call, and the counters are back at zero after it.
+    m, n, k, config = 40, 70, 600, (16, 64, 16, 4, 4, 3)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+    weight = _weight(fmt, group, n, k, device, 1)._replace(counters=counters)
+    x = _randn((m, k), torch.float32, device, 2)
+    zeros = torch.zeros
+    fresh = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: fresh.append(kw.get("dtype")) or zeros(*a, **kw))
+    _run(x, weight, None, config)
+    assert torch.int32 not in fresh
+    assert counters.tolist() == [0] * 64
+    # Counters too few for the tiles: a fresh buffer, the weight's left alone.
+    few = weight._replace(counters=torch.zeros(cdiv(m, 16) * cdiv(n, 64) - 1, dtype=torch.int32, device=device))
+    _run(x, few, None, config)
+    assert torch.int32 in fresh
+
+
+def test_tile_counters_are_the_weights_when_it_holds_enough():
+    own = torch.zeros(8, dtype=torch.int32)
+    assert qg.tile_counters(own, 8, own.device) is own
+    for buffer in (None, torch.zeros(7, dtype=torch.int32)):
+        fresh = qg.tile_counters(buffer, 8, own.device)
+        assert fresh is not buffer and fresh.dtype == torch.int32 and fresh.tolist() == [0] * 8
+
+
 def test_a_step_that_does_not_divide_the_row_is_refused(device):
     weight = _weight("int4", 128, 8, 200, device)  # 32 words a row
     x = _randn((2, 200), torch.float32, device)

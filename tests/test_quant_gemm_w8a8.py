@@ -374,6 +374,19 @@ def test_one_row_of_a_large_8bit_weight_runs_w8a8(device, monkeypatch, fmt, larg
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_split_k_draws_its_tickets_from_the_weights_own_counters(device, monkeypatch, fmt):
+    counters = torch.zeros(16, dtype=torch.int32, device=device)
+    weight = _weight(70, 300, device, 1, fmt)._replace(counters=counters)
+    x = _randn((16, 300), torch.bfloat16, device, 2)
+    zeros = torch.zeros
+    fresh = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: fresh.append(kw.get("dtype")) or zeros(*a, **kw))
+    y = _run(x, weight, None, (16, 64, 64, 2, 4, 3))  # 2 tiles of W, 5 steps in 2 splits
+    assert torch.int32 not in fresh and counters.tolist() == [0] * 16
+    _close(y, _expected(x, weight, None), torch.bfloat16, scale=4.0, fmt=fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_linear_checks_its_inputs_before_the_w8a8_path(device, fmt):
     weight = _weight(24, 130, device, fmt=fmt)
     x = _randn((ql.W8A8_MIN_ROWS, 130), torch.float32, device)

@@ -169,6 +169,10 @@ def test_every_code_in_every_place_of_a_word(device, fmt, levels):
     (lambda x, w: (x, w._replace(data=w.data.to(torch.int64))), ValueError, "weight.data must be a contiguous 2-D int32"),
     (lambda x, w: (x, w._replace(scales=w.scales[:-1])), ValueError, r"weight.scales must have shape \(8, 4\)"),
     (lambda x, w: (x, w._replace(scales=w.scales.to(torch.int8))), TypeError, "weight.scales must be one of"),
+    (lambda x, w: (x, w._replace(counters=torch.zeros(4, device=w.data.device))), ValueError,
+     "weight.counters must be None or a contiguous 1-D int32 tensor"),
+    (lambda x, w: (x, w._replace(counters=torch.zeros(2, 2, dtype=torch.int32, device=w.data.device))), ValueError,
+     "weight.counters must be None or a contiguous 1-D int32 tensor"),
 ])
 def test_bad_inputs_name_the_argument(device, make, error, match):
     weight = _weight("int4", 32, 8, 64, device)

@@ -233,6 +233,12 @@ def _check_weight(weight: object) -> None:
         raise TypeError(f"weight.scales must be one of {allowed} for {weight.fmt}, got {scales.dtype}")
     if scales.device != data.device:
         raise ValueError(f"weight.scales is on {scales.device} but weight.data is on {data.device}")
+    counters = weight.counters
+    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+                                 or counters.dim() != 1 or not counters.is_contiguous()
+                                 or counters.device != data.device):
+        raise ValueError(f"weight.counters must be None or a contiguous 1-D int32 tensor on {data.device}, got "
+                         f"{getattr(counters, 'dtype', counters)!r} on {getattr(counters, 'device', None)}")
 
 
 def _check(x: object, weight: object, bias: object, out: object) -> None:
