@@ -348,13 +348,13 @@ def test_quantized_linear_takes_w8a8_for_8bit_weights_from_its_row_count(device,
 
 
 @pytest.mark.parametrize("fmt, large, path", [
-    *((fmt, True, "launch_w8a8") for fmt in FORMATS), *((fmt, False, "_launch_gemv") for fmt in FORMATS),
-    ("int4", True, "launch_gemm"),  # int4 stays weight-only (its own one-row threshold takes the MMA)
+    ("fp8", True, "launch_w8a8"), ("fp8", False, "_launch_gemv"),
+    ("int8", True, "_launch_gemv"),  # int8 at one row: the int8-dot GEMV from its own threshold, else weight-only
+    ("int4", True, "_launch_gemv"),
 ])
-def test_one_row_of_a_large_8bit_weight_runs_w8a8(device, monkeypatch, fmt, large, path):
+def test_one_row_of_a_large_fp8_weight_runs_w8a8(device, monkeypatch, fmt, large, path):
     # The size threshold lowered (or just missed) so that a small weight counts as large or not.
     monkeypatch.setattr(ql, "W8A8_ONE_ROW_MIN_WEIGHTS", 24 * 256 + (0 if large else 1))
-    monkeypatch.setattr(ql, "MMA_ONE_ROW_MIN_WEIGHTS", 24 * 256)
     taken = _path(monkeypatch)
     weight = quantize_weight(_randn((24, 256), torch.float32, device, 1) * 0.1, fmt)
     x = _randn((1, 256), torch.bfloat16, device, 2)
@@ -371,19 +371,6 @@ def test_one_row_of_a_large_8bit_weight_runs_w8a8(device, monkeypatch, fmt, larg
     rounded = torch.nn.functional.linear(codes.float() * scales[:, None],
                                          reference_quant.dequantize(weight, torch.float32))
     assert torch.equal(reference_quant.quantized_linear(x, weight), rounded.to(x.dtype)) == (path == "launch_w8a8")
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_split_k_draws_its_tickets_from_the_weights_own_counters(device, monkeypatch, fmt):
-    counters = torch.zeros(16, dtype=torch.int32, device=device)
-    weight = _weight(70, 300, device, 1, fmt)._replace(counters=counters)
-    x = _randn((16, 300), torch.bfloat16, device, 2)
-    zeros = torch.zeros
-    fresh = []
-    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: fresh.append(kw.get("dtype")) or zeros(*a, **kw))
-    y = _run(x, weight, None, (16, 64, 64, 2, 4, 3))  # 2 tiles of W, 5 steps in 2 splits
-    assert torch.int32 not in fresh and counters.tolist() == [0] * 16
-    _close(y, _expected(x, weight, None), torch.bfloat16, scale=4.0, fmt=fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

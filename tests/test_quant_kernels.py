@@ -7,6 +7,7 @@ from kernel_checks import DTYPES, assert_close, kernel_module
 
 from fuselab.kernels import QuantizedWeight, quantize_weight, quantized_linear
 from fuselab.kernels.quant_pack import block_elements, pack_codes
+from fuselab.kernels import reference_quant
 from fuselab.kernels.reference_quant import dequantize
 
 ql = kernel_module("quantized_linear")
@@ -37,7 +38,7 @@ def _check(x, weight, bias=None, out=None):
 def _path(monkeypatch):
     """Which launcher quantized_linear takes, as a list filled by the call."""
     taken = []
-    for name in ("_launch_gemv", "launch_gemm"):
+    for name in ("_launch_gemv", "launch_gemm", "launch_gemv_a8"):
         launch = getattr(ql, name)
         monkeypatch.setattr(ql, name, lambda *a, _n=name, _l=launch, **kw: taken.append(_n) or _l(*a, **kw))
     dequantize_dense = ql.dequantize
@@ -54,20 +55,28 @@ def test_one_row_runs_the_gemv(device, monkeypatch, fmt, group, dtype, n, k):
     assert taken == ["_launch_gemv"]
 
 
-@pytest.mark.parametrize("fmt, group, dtype, runs_mma", [
-    ("int4", 128, torch.bfloat16, True), ("int4", 128, torch.float16, False), ("int4", 128, torch.float32, False),
-    ("int4", 64, torch.bfloat16, False), ("int8", 0, torch.bfloat16, False), ("fp8", 0, torch.bfloat16, False)])
-def test_one_row_of_a_large_int4_weight_runs_the_tensor_core_kernel(device, monkeypatch, fmt, group, dtype, runs_mma):
-    # The size threshold lowered so that a small weight counts as large; only int4 in groups of 128
-    # with bf16 x and scales crosses it.
-    monkeypatch.setattr(ql, "MMA_ONE_ROW_MIN_WEIGHTS", 37 * 200)
+@pytest.mark.parametrize("fmt, group, dtype, runs_a8", [
+    ("int4", 128, torch.bfloat16, True), ("int4", 128, torch.float16, True), ("int4", 128, torch.float32, True),
+    ("int4", 64, torch.bfloat16, False), ("int4", 32, torch.float32, False), ("int8", 0, torch.bfloat16, True),
+    ("fp8", 0, torch.bfloat16, False)])
+def test_one_row_of_a_large_weight_runs_the_int8_dot_gemv(device, monkeypatch, fmt, group, dtype, runs_a8):
+    # The size threshold lowered so that a small weight counts as large; int8 and int4 in groups of 128 cross
+    # it, and then x is rounded to int8 (a float64 reference of the rounded x).
+    monkeypatch.setattr(ql, "A8_MIN_WEIGHTS", 37 * 200)
     taken = _path(monkeypatch)
-    _check(_randn((1, 200), dtype, device, 5), _weight(fmt, group, 37, 200, device, 6))
-    assert taken == (["launch_gemm"] if runs_mma else ["_launch_gemv"])
+    x, weight = _randn((1, 200), dtype, device, 5), _weight(fmt, group, 37, 200, device, 6)
+    if runs_a8:
+        codes, scales = reference_quant.quantize_activations(x, "int8")
+        expected = (codes.double() * scales.double()[:, None]) @ dequantize(weight).t()
+        assert_close(quantized_linear(x, weight), expected, dtype, scale=4.0)
+        assert ql.rounds_x(1, weight) == "int8"
+    else:
+        _check(x, weight)
+    assert taken == (["launch_gemv_a8"] if runs_a8 else ["_launch_gemv"])
     taken.clear()
-    monkeypatch.setattr(ql, "MMA_ONE_ROW_MIN_WEIGHTS", 37 * 200 + 1)
-    _check(_randn((1, 200), dtype, device, 5), _weight(fmt, group, 37, 200, device, 6))
-    assert taken == ["_launch_gemv"]
+    monkeypatch.setattr(ql, "A8_MIN_WEIGHTS", 37 * 200 + 1)
+    _check(x, weight)
+    assert taken == ["_launch_gemv"] and ql.rounds_x(1, weight) is None
 
 
 @pytest.mark.parametrize("fmt, group", FORMATS)

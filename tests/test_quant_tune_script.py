@@ -51,8 +51,8 @@ def test_help_lists_the_shapes_and_options():
 
 
 def test_one_row_sweeps_the_gemm_grid_unless_quick():
-    # The one-row crossover between the GEMV and the tensor-core kernel (quantized_linear's
-    # MMA_ONE_ROW_MIN_WEIGHTS) is read from a sweep of the kernel's configs at M = 1, not its rule alone.
+    # The one-row crossover between the GEMVs and the tensor-core kernel is read from a sweep of the
+    # kernel's configs at M = 1, not its rule alone.
     code = (f"import importlib.machinery, sys; sys.argv = ['tune-quant-gemv']; "
             f"m = importlib.machinery.SourceFileLoader('tqg', {str(SCRIPT)!r}).load_module(); "
             f"print(len(m.gemm_configs('int4', 1, 28672, 512, False, 132)[1]), "

@@ -9,9 +9,9 @@ weights) as it loads, a projection at a time, so the float model never exists on
 - "int8": 8-bit symmetric, an fp32 scale per output channel;
 - "fp8": float8 e4m3, an fp32 scale per output channel.
 
-int4 is weight-only; int8 and fp8 quantize the activations too, per row, from W8A8_MIN_ROWS rows of
-x and at one row for the largest weights (W8A8; fuselab.kernels.quantized_linear.runs_w8a8), and stay
-weight-only elsewhere.
+The activations are rounded too, per row, where the kernels multiply 8-bit codes: int8 and fp8 from
+W8A8_MIN_ROWS rows of x (W8A8), and at one row int8 and int4 on their large weights (int8 codes of x)
+and fp8 on its largest (fuselab.kernels.quantized_linear.rounds_x); elsewhere they are weight-only.
 
 Every linear layer is quantized, lm_head included. A model with tied embeddings keeps its
 embedding matrix in the model's dtype for the token lookups, and its logits read a quantized

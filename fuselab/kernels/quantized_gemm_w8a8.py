@@ -121,12 +121,19 @@ def _row_codes(x, scale, FORMAT: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
-                          ONE_BLOCK: tl.constexpr, EXACT: tl.constexpr, USE_PDL: tl.constexpr):
+                          ONE_BLOCK: tl.constexpr, EXACT: tl.constexpr, INT4_ORDER: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     # A program a row. Output column b of a 64-column block holds element 16·(b % 4) + (b % 64) // 4 of
-    # it (the weight's byte order), so each block is gathered from the same 64 elements of x.
+    # it (the 8-bit weight's byte order), so each block is gathered from the same 64 elements of x.
+    # INT4_ORDER (int8 codes for an int4 weight, quantized_gemv_a8): column b of a 128-column block is
+    # byte b % 4 of word (b % 128) // 4, whose first 16 words hold the even codes' elements 32·j + i of
+    # the block and the next 16 the odd codes', 32·j + 16 + i (i = word % 16).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    src = (cols // 64) * 64 + (cols % 4) * 16 + (cols % 64) // 4
+    if INT4_ORDER:
+        src = (cols // 128) * 128 + (cols % 4) * 32 + ((cols % 128) // 64) * 16 + (cols % 64) // 4
+    else:
+        src = (cols // 64) * 64 + (cols % 4) * 16 + (cols % 64) // 4
     x_row = X + row * stride_xm
     q_row = XQ + row * KP
     if USE_PDL:
@@ -256,16 +263,17 @@ def w8a8_config(m: int, n: int, kp: int, sms: int) -> tuple[int, int, int, int, 
 
 
 def quantize_rows(x2: torch.Tensor, kp: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 [M, K] (unit column stride) as codes [M, kp] of `fmt` ("int8": torch.int8, "fp8":
-    float8_e4m3fn) in the packed weight's byte order, zero padded, and their scales [M] fp32 (module
-    docstring). One launch."""
+    """x2 [M, K] (unit column stride) as codes [M, kp] for a weight of `fmt` ("int8": torch.int8,
+    "fp8": float8_e4m3fn, both in the packed weight's byte order; "int4": int8 codes in the order of
+    quantized_gemv_a8), zero padded, and their scales [M] fp32 (module docstring). One launch."""
     m, k = x2.shape
-    codes = torch.empty(m, kp, device=x2.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+    codes = torch.empty(m, kp, device=x2.device, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     scales = torch.empty(m, device=x2.device, dtype=torch.float32)
     block = min(MAX_QUANT_BLOCK, next_power_of_2(kp))
     pdl = use_pdl(x2.device)
-    launch(_quantize_rows_kernel, (m,), x2, codes, scales, k, kp, x2.stride(0), FORMAT=_FORMAT_IDS[fmt],
-           BLOCK=block, ONE_BLOCK=block >= kp, EXACT=INTERPRETED, USE_PDL=pdl,
+    launch(_quantize_rows_kernel, (m,), x2, codes, scales, k, kp, x2.stride(0),
+           FORMAT=_FORMAT_IDS["fp8" if fmt == "fp8" else "int8"], BLOCK=block, ONE_BLOCK=block >= kp,
+           EXACT=INTERPRETED, INT4_ORDER=fmt == "int4", USE_PDL=pdl,
            num_warps=max(1, min(16, block // 1024)), num_stages=1, launch_pdl=pdl)
     return codes, scales
 

@@ -1,0 +1,184 @@
+"""y = x · Wᵀ (+ b) for one row of x and an int4 (groups of 128) or int8 weight (quant_pack), with x
+rounded per row to int8: W4A8 / W8A8 on the CUDA cores' integer dot products (quantized_linear's
+one-row path for those formats).
+
+Why: the fp32 GEMV (quantized_linear._gemv_kernel) spends ~4 instructions a weight turning codes into
+floats and multiplying them, more than the SMs issue at the rate the weights arrive, so it reads them
+at a third to a half of the copy bandwidth. `dp4a` multiplies four signed bytes by four and adds the
+sums to an int32 in one instruction: with x's codes as int8, an int8 word costs one XOR and one dp4a
+(4 weights), an int4 word a shift, two AND-XORs, two dp4a, a conversion and an FMA (8 weights).
+
+- x: `quantize_rows` rounds the row to int8 codes (s = amax / 127, ties to even; W8A8's rounding),
+  written in the order the weight's words take them: for int8 the weight's byte order (code j of
+  word i pairs with byte j of x's word i); for int4, two words of x a word of W, the even codes' x
+  and the odd codes' (`quantize_rows`' "int4" order).
+- int8: a stored byte is q + 128; XOR 0x80 a byte gives q as a signed byte, and dp4a sums q · xq
+  into int32 accumulators exactly (|sum| <= 127² · K < 2^31 up to K = 133143); one conversion a
+  row, then both scales: y = acc · s_w[n] · s_x.
+- int4: code j lies in bits 4j..4j+3 as q + 8. Masked into the high nibble of each byte (codes 1, 3,
+  5, 7 as they lie; codes 0, 2, 4, 6 after a shift by 4) and XOR-ed with 0x80, a byte is 16 · q as a
+  signed byte, so two dp4a give 16 · Σ q · xq over the word's 8 codes with no offset to undo. A
+  group of 128 is one block of 16 words: the word's sum, as fp32, takes its group's scale in one
+  FMA; y = acc · s_x / 16.
+- The walk is the fp32 GEMV's: a program takes tiles of BLOCK_N rows of W in runs of BLOCK_B
+  16-word blocks, requests the next run before it multiplies the current one, and programs walk
+  tiles pid, pid + programs, ... so that each SM keeps a few runs in flight.
+
+Triton's interpreter has no inline assembly: there dp4a is spelled out in int32 arithmetic, the same
+sums exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fuselab.kernels._common.fast_launch import launch
+from fuselab.kernels._common.launch import cdiv, sm_count, use_pdl
+from fuselab.kernels._common.validate import INTERPRETED
+from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight
+from fuselab.kernels.quantized_gemm_w8a8 import quantize_rows
+
+A8_FORMATS = ("int4", "int8")
+A8_INT4_GROUP = 128  # int4 groups this kernel takes: one group a 16-word block
+_PTX = tl.constexpr(not INTERPRETED)
+# 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, and its sign bit. Kernel arguments, not
+# literals, so that each stays in a register instead of being re-materialized for every LOP3.
+HIGH_NIBBLES = 0xF0F0F0F0 - (1 << 32)
+SIGN_BITS = 0x80808080 - (1 << 32)
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dp4a(a, b, c):
+    """c + Σ_j a_j · b_j over the four signed bytes of int32 words a and b (elementwise)."""
+    if _PTX:
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (c + ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+                + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24))
+
+
+@triton.jit
+def _gemv_a8_kernel(
+    XQ, XS, Wq, S, B, Y, N, n_words, stride_sn, n_tiles, high_nibbles, sign_bits,
+    INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    RUNS: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # A tile: BLOCK_N rows of W, a run of BLOCK_B blocks of each at a time, [BLOCK_N, BLOCK_B, 16] as the
+    # fp32 GEMV's, so that a thread's 4 words (one 16-byte load) share a group and x's words.
+    BLOCK_W: tl.constexpr = 16 * BLOCK_B
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    steps = tl.cdiv(n_tiles - pid, programs) * RUNS
+    lanes = tl.arange(0, 16)
+    blocks = tl.arange(0, BLOCK_B)
+    offsets = (blocks[:, None] * 16 + lanes[None, :])[None, :, :]
+    if INT4:  # x's words of a block: the even codes' 16, then the odd codes' 16
+        x_ptrs = XQ + (blocks[:, None] * 32 + lanes[None, :])[None, :, :]
+    else:
+        x_ptrs = XQ + offsets
+    tile_rows = tl.arange(0, BLOCK_N)
+    rows = tl.minimum(pid * BLOCK_N + tile_rows, N - 1)
+    w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+    x_scale = tl.load(XS)
+    zero = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.int32)
+    if INT4:
+        acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
+    else:
+        acc = zero
+    for i in range(0, steps):
+        nxt = tl.minimum(i + 1, steps - 1)
+        next_rows = tl.minimum((pid + (nxt // RUNS) * programs) * BLOCK_N + tile_rows, N - 1)
+        w_next = tl.load(Wq + next_rows[:, None, None].to(tl.int64) * n_words + offsets + (nxt % RUNS) * BLOCK_W)
+        rows = (pid + (i // RUNS) * programs) * BLOCK_N + tile_rows
+        row_ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+        run = i % RUNS
+        if INT4:
+            x_even = tl.broadcast_to(tl.load(x_ptrs + run * 2 * BLOCK_W), (BLOCK_N, BLOCK_B, 16))
+            x_odd = tl.broadcast_to(tl.load(x_ptrs + run * 2 * BLOCK_W + 16), (BLOCK_N, BLOCK_B, 16))
+            even = ((w << 4) & high_nibbles) ^ sign_bits  # codes 0, 2, 4, 6 as 16 · q a byte
+            odd = (w & high_nibbles) ^ sign_bits  # codes 1, 3, 5, 7
+            sums = _dp4a(odd, x_odd, _dp4a(even, x_even, zero))
+            s = tl.load(S + rows[:, None].to(tl.int64) * stride_sn + run * BLOCK_B + blocks[None, :])
+            acc += sums.to(tl.float32) * s.to(tl.float32)[:, :, None]
+        else:
+            xw = tl.broadcast_to(tl.load(x_ptrs + run * BLOCK_W), (BLOCK_N, BLOCK_B, 16))
+            acc = _dp4a(w ^ sign_bits, xw, acc)
+        if run == RUNS - 1:
+            if INT4:
+                y = tl.sum(tl.sum(acc, axis=2), axis=1) * (x_scale * 0.0625)
+                acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
+            else:
+                y = tl.sum(tl.sum(acc, axis=2), axis=1).to(tl.float32) * tl.load(S + rows) * x_scale
+                acc = zero
+            if HAS_BIAS:
+                y += tl.load(B + rows).to(tl.float32)
+            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+        w = w_next
+
+
+# --------------------------------------------------------------------------------------------
+# Host launcher
+# --------------------------------------------------------------------------------------------
+
+# The tiles (scripts/tune-quant-gemv --pdl --rows 1 over the Llama 3 1B and 8B projections): 4 rows of W,
+# runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM; for weights of A8_WIDE_ROWS rows or
+# more (gate/up, lm_head), whose tiles outnumber the programs many times, runs of 8 blocks at one warp
+# and 16 programs an SM, 8 rows a tile for int8.
+A8_ROWS = 4
+A8_MAX_RUN_BLOCKS = 16
+A8_PROGRAMS_PER_SM = 8
+A8_WIDE_ROWS = 16384
+
+
+@functools.lru_cache(maxsize=1024)
+def gemv_a8_config(n: int, n_words: int, fmt: str) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_B, num_warps, programs per SM) for a weight of n rows of n_words words: the longest
+    run of blocks up to the cap (A8_MAX_RUN_BLOCKS, 8 for wide weights) that divides the row (so that no
+    run is masked), a warp per 8 blocks."""
+    wide = n >= A8_WIDE_ROWS
+    blocks = n_words // BLOCK_WORDS
+    block_b = 1
+    while block_b < (8 if wide else A8_MAX_RUN_BLOCKS) and blocks % (2 * block_b) == 0:
+        block_b *= 2
+    block_n = 8 if wide and fmt == "int8" else A8_ROWS
+    return block_n, block_b, max(1, block_b // 8), 2 * A8_PROGRAMS_PER_SM if wide else A8_PROGRAMS_PER_SM
+
+
+def runs_a8(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether this kernel takes `rows` rows of x by `weight`: one row of an int8, or int4-g128, weight."""
+    return rows == 1 and (weight.fmt == "int8" or (weight.fmt == "int4" and weight.group_size == A8_INT4_GROUP))
+
+
+def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
+                   config: tuple[int, int, int, int] | None = None) -> None:
+    """y2 [1, N] = quantize(x2) · Wᵀ (+ bias), x2's one row rounded to int8; inputs checked by the caller
+    (quantized_linear): x2 [1, K] with unit column stride, y2 contiguous in x2's dtype.
+    config: (BLOCK_N, BLOCK_B, num_warps, programs per SM), gemv_a8_config's by default."""
+    if not runs_a8(x2.shape[0], weight):
+        raise ValueError(f"launch_gemv_a8 takes one row and an int8 or int4-g{A8_INT4_GROUP} weight, got "
+                         f"{x2.shape[0]} rows and {weight.fmt} (group {weight.group_size})")
+    n, n_words = weight.out_features, weight.data.shape[1]
+    int4 = weight.fmt == "int4"
+    codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
+    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt)
+    n_tiles = cdiv(n, block_n)
+    pdl = use_pdl(x2.device)
+    launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),
+        codes.view(torch.int32), x_scale, weight.data, weight.scales, weight.scales if bias is None else bias, y2,
+        n, n_words, weight.scales.stride(0), n_tiles, HIGH_NIBBLES, SIGN_BITS,
+        INT4=int4, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
+    )
