@@ -210,8 +210,10 @@ def _why_rotary_cannot_be_fused(attention: nn.Module) -> str | None:
     if not callable(function):
         return f"{type(attention).__module__} has no {_ROTARY_FUNCTION}"
     original = getattr(function, "__wrapped__", function) if getattr(function, "fuselab_dispatcher", False) else function
+    # With the `kernels` package installed, transformers turns the function into a module calling it.
+    signed = original.forward if isinstance(original, nn.Module) else original
     try:
-        parameters = list(inspect.signature(original).parameters)
+        parameters = list(inspect.signature(signed).parameters)
     except (TypeError, ValueError):
         parameters = []
     if parameters[:4] != ["q", "k", "cos", "sin"]:

@@ -9,9 +9,9 @@ weights) as it loads, a projection at a time, so the float model never exists on
 - "int8": 8-bit symmetric, an fp32 scale per output channel;
 - "fp8": float8 e4m3, an fp32 scale per output channel.
 
-int4 is weight-only; int8 and fp8 quantize the activations too, per row, from W8A8_MIN_ROWS rows of
-x and at one row for the largest weights (W8A8; fuselab.kernels.quantized_linear.runs_w8a8), and stay
-weight-only elsewhere.
+The activations are rounded too, per row, where the kernels multiply 8-bit codes: int8 and fp8 from
+W8A8_MIN_ROWS rows of x (W8A8), and at one row int8 and int4 on their large weights (int8 codes of x)
+and fp8 on its largest (fuselab.kernels.quantized_linear.rounds_x); elsewhere they are weight-only.
 
 Every linear layer is quantized, lm_head included. A model with tied embeddings keeps its
 embedding matrix in the model's dtype for the token lookups, and its logits read a quantized
@@ -29,6 +29,9 @@ from torch import nn
 from fuselab.kernels.quant_pack import INT4_GROUP_SIZES, QuantizedWeight, packed_words, quantize_weight, scales_shape
 
 QUANTIZATION_CHOICES = ("int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES), "int8", "fp8")
+# Split-K tiles a layer's counters cover: split-K runs where the tiles of W leave SMs idle, so a
+# product splits far fewer tiles than this (one with more falls back to a fresh buffer a call).
+SPLIT_COUNTERS = 1024
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,12 @@ class QuantizedLinear(nn.Module):
         self.weight: QuantizedWeight | None = None
 
     def bind(self) -> None:
+        # Ticket counters of its own for the kernels' split-K (kept at zero by them): no call zeroes fresh
+        # ones, so no memset node stands between the decode graph's kernels. The engine runs one product
+        # of a layer at a time.
+        counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=self.qweight.device)
         self.weight = QuantizedWeight(self.qweight, self.scales, self.scheme.fmt, self.scheme.group_size,
-                                      self.in_features)
+                                      self.in_features, counters)
 
     def load_packed(self, weight: QuantizedWeight, rows: slice | None = None) -> None:
         """Copy packed rows (all of them, or `rows` of a merged projection) into the buffers."""

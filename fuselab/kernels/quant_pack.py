@@ -43,6 +43,10 @@ class QuantizedWeight(NamedTuple):
     fmt: str  # "int4", "int8" or "fp8"
     group_size: int  # int4: elements per scale; 0 for the per-channel formats
     in_features: int
+    # int32 ticket counters at zero that the split-K launches of this weight use (and leave at zero), so
+    # that no call zeroes fresh ones; None: a fresh buffer a call. Only for a weight whose products run
+    # one at a time (one stream, one CUDA graph replaying at a time), as in the engine.
+    counters: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:

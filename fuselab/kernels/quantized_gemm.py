@@ -43,7 +43,7 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._common.split_k import reduce_splits
+from fuselab.kernels._common.split_k import reduce_splits, tile_counters
 from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half, _int4_bf16x2
@@ -366,11 +366,12 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     and optionally a 7th element, the kernel: an index into GEMM_VARIANTS (0 when left out; the
     others int4 only).
     counters: int32, one per output tile (cdiv(M, BLOCK_M) · cdiv(N, BLOCK_N)), at zero; the kernel
-    leaves them at zero, so a caller may keep one buffer for its calls on one stream. By default a
-    fresh torch.zeros per call with split-K: a buffer kept by this module would be shared by every
-    stream and graph (two replaying at once would mix their tickets), and inside a CUDA graph the
-    zeroing is one small node before the kernel (it does stand between the kernel before and this
-    one, whose programmatic dependent launch then waits for it)."""
+    leaves them at zero, so a caller may keep one buffer for its calls on one stream. By default the
+    weight's own (`QuantizedWeight.counters`, which the engine's layers carry), else a fresh torch.zeros
+    per call with split-K: a buffer kept by this module would be shared by every stream and graph (two
+    replaying at once would mix their tickets), and inside a CUDA graph the zeroing is one small node
+    before the kernel (it does stand between the kernel before and this one, whose programmatic
+    dependent launch then waits for it)."""
     m, n, k, n_words = x2.shape[0], weight.out_features, weight.in_features, weight.data.shape[1]
     fmt = weight.fmt
     config = config or gemm_config(m, n, n_words, fmt, sm_count(x2.device), x2.element_size())
@@ -386,8 +387,7 @@ def launch_gemm(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     else:
         tiles = grid[0] * grid[1]
         workspace = torch.empty(tiles * split_k * block_n * block_m, device=x2.device, dtype=torch.float32)
-        if counters is None:
-            counters = torch.zeros(tiles, device=x2.device, dtype=torch.int32)
+        counters = tile_counters(weight.counters if counters is None else counters, tiles, x2.device)
     pdl = use_pdl(x2.device)
     # Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; exact in fp32 instead.
     interpreted_bf16 = INTERPRETED and x2.dtype == torch.bfloat16

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
-from fuselab.kernels._common.split_k import reduce_splits
+from fuselab.kernels._common.split_k import reduce_splits, tile_counters
 from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import _FORMAT_IDS
@@ -286,9 +286,10 @@ def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     contiguous in x2's dtype.
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), w8a8_config's by default.
-    counters: int32, one per output tile, at zero (the kernel leaves them at zero); by default a fresh
-    torch.zeros per call with split-K (quantized_gemm.launch_gemm says why), allocated before x is
-    quantized, so that its memset does not stand between the two kernels' dependent launch."""
+    counters: int32, one per output tile, at zero (the kernel leaves them at zero); by default the
+    weight's own, else a fresh torch.zeros per call with split-K (quantized_gemm.launch_gemm says why),
+    allocated before x is quantized, so that its memset does not stand between the two kernels'
+    dependent launch."""
     if weight.fmt not in W8A8_FORMATS:
         raise ValueError(f"launch_w8a8 takes an int8 or fp8 weight, got {weight.fmt}")
     m, n, n_words = x2.shape[0], weight.out_features, weight.data.shape[1]
@@ -301,8 +302,7 @@ def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         parts = counters = y2  # not read: one split stores y itself
     else:
         tiles = grid[0] * grid[1]
-        if counters is None:
-            counters = torch.zeros(tiles, device=x2.device, dtype=torch.int32)
+        counters = tile_counters(weight.counters if counters is None else counters, tiles, x2.device)
         parts = torch.empty(tiles * split_k * block_n * block_m, device=x2.device, dtype=torch.float32)
     codes, scales = quantize_rows(x2, kp, weight.fmt)
     pdl = use_pdl(x2.device)

@@ -133,21 +133,28 @@ def _gemv_a8_kernel(
 # Host launcher
 # --------------------------------------------------------------------------------------------
 
-# The tile: 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM.
+# The tiles (scripts/tune-quant-gemv --pdl --rows 1 over the Llama 3 1B and 8B projections): 4 rows of W,
+# runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM; for weights of A8_WIDE_ROWS rows or
+# more (gate/up, lm_head), whose tiles outnumber the programs many times, runs of 8 blocks at one warp
+# and 16 programs an SM, 8 rows a tile for int8.
 A8_ROWS = 4
 A8_MAX_RUN_BLOCKS = 16
 A8_PROGRAMS_PER_SM = 8
+A8_WIDE_ROWS = 16384
 
 
 @functools.lru_cache(maxsize=1024)
-def gemv_a8_config(n_words: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_B, num_warps, programs per SM): the longest run of blocks up to A8_MAX_RUN_BLOCKS
-    that divides the row (so that no run is masked), a warp per 8 blocks."""
+def gemv_a8_config(n: int, n_words: int, fmt: str) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_B, num_warps, programs per SM) for a weight of n rows of n_words words: the longest
+    run of blocks up to the cap (A8_MAX_RUN_BLOCKS, 8 for wide weights) that divides the row (so that no
+    run is masked), a warp per 8 blocks."""
+    wide = n >= A8_WIDE_ROWS
     blocks = n_words // BLOCK_WORDS
     block_b = 1
-    while block_b < A8_MAX_RUN_BLOCKS and blocks % (2 * block_b) == 0:
+    while block_b < (8 if wide else A8_MAX_RUN_BLOCKS) and blocks % (2 * block_b) == 0:
         block_b *= 2
-    return A8_ROWS, block_b, max(1, block_b // 8), A8_PROGRAMS_PER_SM
+    block_n = 8 if wide and fmt == "int8" else A8_ROWS
+    return block_n, block_b, max(1, block_b // 8), 2 * A8_PROGRAMS_PER_SM if wide else A8_PROGRAMS_PER_SM
 
 
 def runs_a8(rows: int, weight: QuantizedWeight) -> bool:
@@ -166,7 +173,7 @@ def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
     n, n_words = weight.out_features, weight.data.shape[1]
     int4 = weight.fmt == "int4"
     codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
-    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n_words)
+    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
     launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),

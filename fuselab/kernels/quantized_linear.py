@@ -4,19 +4,20 @@ dequantization fused into the product; activations and output in float32, bfloat
 Decode reads each weight once per step, so a quantized weight is read as packed words and
 dequantized in registers, never written back. The paths, by rows of x (M):
 
-- M <= GEMV_MAX_ROWS: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program walks tiles of a few
-  rows of W in runs of 16-byte word loads (its first run requested before it waits for the kernel
-  before, and each next run before the current one is used), so every SM streams weights. Large
-  int4 weights at bf16 x (MMA_ONE_ROW_MIN_WEIGHTS) take the tensor-core kernel below instead: its
-  bf16x2 dequantization costs fewer instructions a weight than the GEMV's fp32 FMAs.
+- M = 1, int8 and int4 (groups of 128) weights of at least A8_MIN_WEIGHTS: quantized_gemv_a8, x's
+  row rounded to int8 and multiplied by the codes with the CUDA cores' 4-byte integer dot products
+  (W8A8 / W4A8), a fraction of the instructions a weight of the fp32 GEMV below.
+- M <= GEMV_MAX_ROWS otherwise: `_gemv_kernel`, fp32 FMAs on CUDA cores. A program walks tiles of a
+  few rows of W in runs of 16-byte word loads (its first run requested before it waits for the
+  kernel before, and each next run before the current one is used), so every SM streams weights.
 - M <= FUSED_MAX_ROWS: quantized_gemm's tensor-core kernel, the dequantized weight fed to tl.dot
   as the left operand (y^T = W · x^T, so a few rows of x fill the MMA's narrow side), split-K
   where the tiles of W alone would leave SMs idle.
 - larger M (prefill): the weight dequantized once into the activations' dtype, then cuBLAS.
-- int8 and fp8 from W8A8_MIN_ROWS rows, prefill included, and at one row for large weights
+- int8 and fp8 from W8A8_MIN_ROWS rows, prefill included, and fp8 at one row for large weights
   (W8A8_ONE_ROW_MIN_WEIGHTS): W8A8 (quantized_gemm_w8a8), x quantized per row to the weight's format
-  and an 8-bit × 8-bit tensor-core GEMM (int8 × int8 summed in int32, fp8 × fp8 in fp32); otherwise
-  they stay weight-only as int4 does everywhere.
+  and an 8-bit × 8-bit tensor-core GEMM (int8 × int8 summed in int32, fp8 × fp8 in fp32); from 2
+  to 15 rows they stay weight-only, as int4 does from 2 rows. `rounds_x` says where x is rounded.
 
 Dequantization without int-to-float conversions (quant_codes: a code OR-ed into the mantissa of
 2^23 is the float 2^23 + code, one FFMA gives q exactly). In the GEMV, int4 group scales multiply
@@ -42,8 +43,6 @@ from fuselab.kernels.quant_pack import (
 from fuselab.kernels.quantized_gemm import launch_gemm
 from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
 from fuselab.kernels.quantized_gemv_a8 import launch_gemv_a8, runs_a8
-import os
-_A8 = os.environ.get("FUSELAB_A8", "0")  # experiment switch: 0, small, all
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -157,15 +156,15 @@ FUSED_MAX_ROWS = 256
 # rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
 # docs/quantization.md); fewer, not timed. int8 takes the same kernel and rule.
 W8A8_MIN_ROWS = 16
-# int8 and fp8 weights of at least this many weights run W8A8 at one row of x too: the 8-bit MMA takes
-# the codes as loaded, where the GEMV converts each one. Faster than the GEMV on the Llama 3 8B gate/up
-# and lm_head, slower on q/k/v, output and down (scripts/tune-quant-gemv --rows 1; docs/quantization.md).
+# fp8 weights of at least this many weights run W8A8 at one row too: the 8-bit MMA takes the codes as
+# loaded, where the GEMV converts each one. Faster than the GEMV on the Llama 3 8B gate/up and lm_head,
+# slower on q/k/v, output and down (scripts/tune-quant-gemv --rows 1; docs/quantization.md).
 W8A8_ONE_ROW_MIN_WEIGHTS = 1 << 26
-# int4 weights (groups of 128, bf16 x and scales) of at least this many weights run the wide
-# tensor-core kernel at one row too: faster than the GEMV on the Llama 3 8B gate/up, down and lm_head
-# and the 1B gate/up and lm_head, slower on the smaller q/k/v and output projections
-# (scripts/tune-quant-gemv --formats int4 --rows 1; docs/quantization.md).
-MMA_ONE_ROW_MIN_WEIGHTS = 1 << 25
+# int8 and int4 (groups of 128) weights of at least this many weights take the int8-dot GEMV at one row
+# (quantized_gemv_a8: x rounded to int8, dp4a): faster than the fp32 GEMV, the tensor-core kernels and
+# W8A8 on every Llama 3 8B projection and the 1B gate/up, down and lm_head; slower on the 1B q/k/v and
+# output (scripts/tune-quant-gemv --pdl --rows 1; docs/quantization.md).
+A8_MIN_WEIGHTS = 1 << 24
 # The GEMV's tile: 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM:
 # within a few percent of the fastest of 18 configurations at every Llama 3 8B projection and format.
 GEMV_ROWS = 4
@@ -236,6 +235,12 @@ def _check_weight(weight: object) -> None:
         raise TypeError(f"weight.scales must be one of {allowed} for {weight.fmt}, got {scales.dtype}")
     if scales.device != data.device:
         raise ValueError(f"weight.scales is on {scales.device} but weight.data is on {data.device}")
+    counters = weight.counters
+    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+                                 or counters.dim() != 1 or not counters.is_contiguous()
+                                 or counters.device != data.device):
+        raise ValueError(f"weight.counters must be None or a contiguous 1-D int32 tensor on {data.device}, got "
+                         f"{getattr(counters, 'dtype', counters)!r} on {getattr(counters, 'device', None)}")
 
 
 def _check(x: object, weight: object, bias: object, out: object) -> None:
@@ -261,24 +266,33 @@ def _check(x: object, weight: object, bias: object, out: object) -> None:
 
 def runs_w8a8(rows: int, weight: QuantizedWeight) -> bool:
     """Whether quantized_linear multiplies `rows` rows of x by `weight` as W8A8 (x rounded per row to the
-    weight's 8-bit format): from W8A8_MIN_ROWS rows, and at one row for weights of W8A8_ONE_ROW_MIN_WEIGHTS."""
+    weight's 8-bit format): from W8A8_MIN_ROWS rows, and at one row for fp8 weights of W8A8_ONE_ROW_MIN_WEIGHTS."""
     if weight.fmt not in W8A8_FORMATS:
         return False
-    large = weight.out_features * weight.in_features >= W8A8_ONE_ROW_MIN_WEIGHTS
+    large = weight.fmt == "fp8" and weight.out_features * weight.in_features >= W8A8_ONE_ROW_MIN_WEIGHTS
     return rows >= W8A8_MIN_ROWS or (rows == 1 and large)
 
 
-def _mma_at_one_row(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
-    return (weight.fmt == "int4" and weight.group_size == 128 and x2.dtype == weight.scales.dtype == torch.bfloat16
-            and weight.out_features * weight.in_features >= MMA_ONE_ROW_MIN_WEIGHTS)
+def runs_gemv_a8(rows: int, weight: QuantizedWeight) -> bool:
+    """Whether quantized_linear takes the int8-dot GEMV (x's one row rounded to int8): one row of an int8 or
+    int4-g128 weight of at least A8_MIN_WEIGHTS weights."""
+    return runs_a8(rows, weight) and weight.out_features * weight.in_features >= A8_MIN_WEIGHTS
+
+
+def rounds_x(rows: int, weight: QuantizedWeight) -> str | None:
+    """The format quantized_linear rounds `rows` rows of x to before multiplying them by `weight`: the
+    weight's own (W8A8), "int8" (the int8-dot GEMV), or None (x as it is)."""
+    if runs_gemv_a8(rows, weight):
+        return "int8"
+    return weight.fmt if runs_w8a8(rows, weight) else None
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
-    written into `out` when given. An int8 or fp8 weight multiplies x rounded per row to its format
-    (W8A8: int8 codes, or e4m3) where `runs_w8a8` says so. Inference only: no gradient flows to
-    the quantized weight."""
+    written into `out` when given. x is rounded per row (to int8 codes, or e4m3 for fp8 weights)
+    where `rounds_x` says so: one row of a large int8 or int4-g128 weight, W8A8's rows of 8-bit
+    weights. Inference only: no gradient flows to the quantized weight."""
     _check(x, weight, bias, out)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -291,11 +305,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     y2 = out.view(m, n)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if _A8 != "0" and runs_a8(m, weight) and (_A8 == "all" or not (runs_w8a8(m, weight) or _mma_at_one_row(x2, weight))):
+    if runs_gemv_a8(m, weight):
         launch_gemv_a8(x2, weight, bias, y2)
     elif runs_w8a8(m, weight):
         launch_w8a8(x2, weight, bias, y2)
-    elif m <= GEMV_MAX_ROWS and not _mma_at_one_row(x2, weight):
+    elif m <= GEMV_MAX_ROWS:
         _launch_gemv(x2, weight, bias, y2)
     elif m <= FUSED_MAX_ROWS:
         launch_gemm(x2, weight, bias, y2)

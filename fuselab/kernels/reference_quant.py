@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fuselab.kernels.quant_pack import BLOCK_WORDS, FP8_MAX, QuantizedWeight, _BITS, values_per_word
-from fuselab.kernels.quantized_linear import runs_w8a8
+from fuselab.kernels.quantized_linear import rounds_x
 
 
 def unpack_codes(weight: QuantizedWeight) -> torch.Tensor:
@@ -55,9 +55,10 @@ def quantize_activations(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x · dequantize(weight)ᵀ (+ bias) in x's dtype; into `out` when given. An int8 or fp8 weight
-    multiplies x's rows rounded to its format (in fp32) where the kernels do (`runs_w8a8`)."""
-    if runs_w8a8(math.prod(x.shape[:-1]), weight):
-        codes, scales = quantize_activations(x, weight.fmt)
+    multiplies x's rows rounded (in fp32) where and as the kernels round them (`rounds_x`)."""
+    x_format = rounds_x(math.prod(x.shape[:-1]), weight)
+    if x_format is not None:
+        codes, scales = quantize_activations(x, x_format)
         y = F.linear(codes.float() * scales[..., None], dequantize(weight, torch.float32),
                      None if bias is None else bias.float()).to(x.dtype)
     else:

@@ -7,8 +7,18 @@ last: deterministic) and sets the counter back to zero, so a buffer of counters 
 launch on the same stream. The quantized GEMMs use it (quantized_gemm, quantized_gemm_w8a8).
 """
 
+import torch
 import triton
 import triton.language as tl
+
+
+def tile_counters(own: torch.Tensor | None, tiles: int, device: torch.device) -> torch.Tensor:
+    """The counters a split-K launch over `tiles` tiles takes tickets from: `own` (a weight's, kept at zero by
+    the kernels) when it holds enough, else a fresh zeroed buffer (inside a CUDA graph, a memset node of its
+    own, which stands between the kernel before and this launch's dependent launch)."""
+    if own is not None and own.numel() >= tiles:
+        return own
+    return torch.zeros(tiles, device=device, dtype=torch.int32)
 
 
 @triton.jit
