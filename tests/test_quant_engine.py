@@ -93,15 +93,19 @@ def test_fused_kernels_give_the_tokens_of_the_eager_reference(checkpoints, arch,
     assert [o.token_ids for o in fused.generate(PROMPTS, GREEDY)] == [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("quantization", ["fp8"])
-def test_8bit_weights_as_w8a8_at_one_row_give_the_eager_tokens(checkpoints, monkeypatch, quantization):
-    # Every 8-bit weight counted as large: decode's one-row products round x as W8A8, in the kernels and in
-    # the eager reference alike (the tiny model's weights are far below the real threshold).
+@pytest.mark.parametrize("quantization, threshold, launcher", [
+    ("fp8", "W8A8_ONE_ROW_MIN_WEIGHTS", "launch_w8a8"),
+    ("int8", "A8_MIN_WEIGHTS", "launch_gemv_a8"), ("int4", "A8_MIN_WEIGHTS", "launch_gemv_a8"),
+])
+def test_one_row_with_x_rounded_gives_the_eager_tokens(checkpoints, monkeypatch, quantization, threshold, launcher):
+    # Every weight counted as large: decode's one-row products round x (fp8's W8A8, int8 and int4 on the
+    # int8-dot GEMV), in the kernels and in the eager reference alike (the tiny model's weights are far below
+    # the real thresholds).
     ql = importlib.import_module("fuselab.kernels.quantized_linear")
-    monkeypatch.setattr(ql, "W8A8_ONE_ROW_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(ql, threshold, 1)
     taken = []
-    launch = ql.launch_w8a8
-    monkeypatch.setattr(ql, "launch_w8a8", lambda x2, *a, **kw: taken.append(x2.shape[0]) or launch(x2, *a, **kw))
+    launch = getattr(ql, launcher)
+    monkeypatch.setattr(ql, launcher, lambda x2, *a, **kw: taken.append(x2.shape[0]) or launch(x2, *a, **kw))
     path = checkpoints["llama3"][1]
     eager = LLM(path, mode="eager", dtype="float32", max_model_len=64, quantization=quantization)
     with warnings.catch_warnings():
@@ -110,27 +114,7 @@ def test_8bit_weights_as_w8a8_at_one_row_give_the_eager_tokens(checkpoints, monk
     prompt = [PROMPTS[0]]
     expected = [o.token_ids for o in eager.generate(prompt, GREEDY)]
     assert [o.token_ids for o in fused.generate(prompt, GREEDY)] == expected
-    assert 1 in taken  # a decode step's one row went through W8A8
-
-
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_one_row_on_the_int8_dot_gemv_gives_the_eager_tokens(checkpoints, monkeypatch, quantization):
-    # Every int4 and int8 weight counted as large: decode's one-row products round x to int8, in the kernels
-    # and in the eager reference alike (the tiny model's weights are far below the real threshold).
-    ql = importlib.import_module("fuselab.kernels.quantized_linear")
-    monkeypatch.setattr(ql, "A8_MIN_WEIGHTS", 1)
-    taken = []
-    launch = ql.launch_gemv_a8
-    monkeypatch.setattr(ql, "launch_gemv_a8", lambda x2, *a, **kw: taken.append(x2.shape[0]) or launch(x2, *a, **kw))
-    path = checkpoints["llama3"][1]
-    eager = LLM(path, mode="eager", dtype="float32", max_model_len=64, quantization=quantization)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fused on the CPU: the interpreter warning
-        fused = LLM(path, mode="fused", dtype="float32", max_model_len=64, quantization=quantization)
-    prompt = [PROMPTS[0]]
-    expected = [o.token_ids for o in eager.generate(prompt, GREEDY)]
-    assert [o.token_ids for o in fused.generate(prompt, GREEDY)] == expected
-    assert taken and set(taken) == {1}  # decode's one-row products, and only those
+    assert 1 in taken  # a decode step's one row went through it
 
 
 def test_each_layer_carries_split_k_counters_that_stay_at_zero(checkpoints):
