@@ -95,6 +95,12 @@ def test_refuses_what_it_does_not_take(device, fmt, group, rows):
         qa.launch_gemv_a8(x, weight, None, torch.empty(rows, 9, device=device))
 
 
+def test_int8_rows_too_long_for_exact_int32_sums_are_not_taken(device):
+    weight = quantize_weight(torch.zeros(2, qa.A8_INT8_MAX_K + 1, device=device), "int8")
+    assert not qa.runs_a8(1, weight)
+    assert qa.runs_a8(1, quantize_weight(torch.zeros(2, qa.A8_INT8_MAX_K, device=device), "int8"))
+
+
 def test_config_rule_divides_the_row():
     for n in (9, 4096, 28672):
         for fmt in ("int4", "int8"):

@@ -42,8 +42,8 @@ from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight
 from fuselab.kernels.quantized_gemm_w8a8 import quantize_rows
 
-A8_FORMATS = ("int4", "int8")
 A8_INT4_GROUP = 128  # int4 groups this kernel takes: one group a 16-word block
+A8_INT8_MAX_K = 133143  # int8's int32 sums are exact up to 127² · K < 2^31
 _PTX = tl.constexpr(not INTERPRETED)
 # 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, and its sign bit. Kernel arguments, not
 # literals, so that each stays in a register instead of being re-materialized for every LOP3.
@@ -158,8 +158,10 @@ def gemv_a8_config(n: int, n_words: int, fmt: str) -> tuple[int, int, int, int]:
 
 
 def runs_a8(rows: int, weight: QuantizedWeight) -> bool:
-    """Whether this kernel takes `rows` rows of x by `weight`: one row of an int8, or int4-g128, weight."""
-    return rows == 1 and (weight.fmt == "int8" or (weight.fmt == "int4" and weight.group_size == A8_INT4_GROUP))
+    """Whether this kernel takes `rows` rows of x by `weight`: one row of an int8 (of up to A8_INT8_MAX_K inputs)
+    or int4-g128 weight."""
+    int8 = weight.fmt == "int8" and weight.in_features <= A8_INT8_MAX_K
+    return rows == 1 and (int8 or (weight.fmt == "int4" and weight.group_size == A8_INT4_GROUP))
 
 
 def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
