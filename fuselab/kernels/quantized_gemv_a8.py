@@ -2,7 +2,7 @@
 rounded per row to int8: W4A8 / W8A8 on the CUDA cores' integer dot products (quantized_linear's
 one-row path for those formats).
 
-Why: the fp32 GEMV (quantized_linear._gemv_kernel) spends ~4 instructions a weight turning codes into
+Why: the fp32 GEMV (quantized_linear._gemv_kernel) spends ~5 instructions a weight (its sm_90 loop) turning codes into
 floats and multiplying them, more than the SMs issue at the rate the weights arrive, so it reads them
 at a third to a half of the copy bandwidth. `dp4a` multiplies four signed bytes by four and adds the
 sums to an int32 in one instruction: with x's codes as int8, an int8 word costs one XOR and one dp4a
@@ -38,13 +38,12 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, sm_count, use_pdl
-from fuselab.kernels._common.validate import INTERPRETED
+from fuselab.kernels.quant_codes import _PTX
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight
 from fuselab.kernels.quantized_gemm_w8a8 import quantize_rows
 
 A8_INT4_GROUP = 128  # int4 groups this kernel takes: one group a 16-word block
 A8_INT8_MAX_K = 133143  # int8's int32 sums are exact up to 127² · K < 2^31
-_PTX = tl.constexpr(not INTERPRETED)
 # 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, and its sign bit. Kernel arguments, not
 # literals, so that each stays in a register instead of being re-materialized for every LOP3.
 HIGH_NIBBLES = 0xF0F0F0F0 - (1 << 32)
