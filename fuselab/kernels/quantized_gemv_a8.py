@@ -22,7 +22,8 @@ sums to an int32 in one instruction: with x's codes as int8, an int8 word costs 
   FMA; y = acc · s_x / 16.
 - The walk is the fp32 GEMV's: a program takes tiles of BLOCK_N rows of W in runs of BLOCK_B
   16-word blocks, requests the next run before it multiplies the current one, and programs walk
-  tiles pid, pid + programs, ... so that each SM keeps a few runs in flight.
+  tiles pid, pid + programs, ... so that each SM keeps a few runs in flight. A run's group scales
+  and x's codes are requested with its words, a step ahead of their use.
 
 Triton's interpreter has no inline assembly: there dp4a is spelled out in int32 arithmetic, the same
 sums exactly.
@@ -87,10 +88,18 @@ def _gemv_a8_kernel(
     tile_rows = tl.arange(0, BLOCK_N)
     rows = tl.minimum(pid * BLOCK_N + tile_rows, N - 1)
     w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
+    s_ptrs = S + blocks[None, :]
+    if INT4:
+        s = tl.load(s_ptrs + rows[:, None].to(tl.int64) * stride_sn)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
         tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     x_scale = tl.load(XS)
+    if INT4:
+        x_even = tl.load(x_ptrs)
+        x_odd = tl.load(x_ptrs + 16)
+    else:
+        xw = tl.load(x_ptrs)
     zero = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.int32)
     if INT4:
         acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
@@ -99,22 +108,30 @@ def _gemv_a8_kernel(
     for i in range(0, steps):
         nxt = tl.minimum(i + 1, steps - 1)
         next_rows = tl.minimum((pid + (nxt // RUNS) * programs) * BLOCK_N + tile_rows, N - 1)
-        w_next = tl.load(Wq + next_rows[:, None, None].to(tl.int64) * n_words + offsets + (nxt % RUNS) * BLOCK_W)
+        next_run = nxt % RUNS
+        w_next = tl.load(Wq + next_rows[:, None, None].to(tl.int64) * n_words + offsets + next_run * BLOCK_W)
+        # The next run's scales and x's codes are requested with its words: a load used in the same
+        # step would put its latency on every step's critical path.
+        if INT4:
+            s_next = tl.load(s_ptrs + next_rows[:, None].to(tl.int64) * stride_sn + next_run * BLOCK_B)
+            x_even_next = tl.load(x_ptrs + next_run * 2 * BLOCK_W)
+            x_odd_next = tl.load(x_ptrs + next_run * 2 * BLOCK_W + 16)
+        else:
+            xw_next = tl.load(x_ptrs + next_run * BLOCK_W)
         rows = (pid + (i // RUNS) * programs) * BLOCK_N + tile_rows
         row_ok = rows < N
         rows = tl.minimum(rows, N - 1)
         run = i % RUNS
         if INT4:
-            x_even = tl.broadcast_to(tl.load(x_ptrs + run * 2 * BLOCK_W), (BLOCK_N, BLOCK_B, 16))
-            x_odd = tl.broadcast_to(tl.load(x_ptrs + run * 2 * BLOCK_W + 16), (BLOCK_N, BLOCK_B, 16))
             even = ((w << 4) & high_nibbles) ^ sign_bits  # codes 0, 2, 4, 6 as 16 · q a byte
             odd = (w & high_nibbles) ^ sign_bits  # codes 1, 3, 5, 7
-            sums = _dp4a(odd, x_odd, _dp4a(even, x_even, zero))
-            s = tl.load(S + rows[:, None].to(tl.int64) * stride_sn + run * BLOCK_B + blocks[None, :])
+            sums = _dp4a(odd, tl.broadcast_to(x_odd, (BLOCK_N, BLOCK_B, 16)),
+                         _dp4a(even, tl.broadcast_to(x_even, (BLOCK_N, BLOCK_B, 16)), zero))
             acc += sums.to(tl.float32) * s.to(tl.float32)[:, :, None]
+            s, x_even, x_odd = s_next, x_even_next, x_odd_next
         else:
-            xw = tl.broadcast_to(tl.load(x_ptrs + run * BLOCK_W), (BLOCK_N, BLOCK_B, 16))
-            acc = _dp4a(w ^ sign_bits, xw, acc)
+            acc = _dp4a(w ^ sign_bits, tl.broadcast_to(xw, (BLOCK_N, BLOCK_B, 16)), acc)
+            xw = xw_next
         if run == RUNS - 1:
             if INT4:
                 y = tl.sum(tl.sum(acc, axis=2), axis=1) * (x_scale * 0.0625)
