@@ -59,10 +59,7 @@ class AttentionMetadata:
 class Ops(NamedTuple):
     linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
     rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
-    # The two ops whose output feeds a projection take its weight (`feeds`): the quantized kernels' return
-    # their result rounded for it (kernels.RoundedRows) where quantized_linear would round it anyway.
-    norm_before: Callable  # (x, weight, eps, residual, feeds) -> (y, x + residual, or x without a residual)
-    gate_up_swiglu: Callable  # (x, gate/up weight, feeds) -> silu(x @ gateᵀ) · (x @ upᵀ)
+    gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
     # The two ops over a layer's KV cache are bound to it once (bind_kv_cache), with its RoPE table, scale,
     # context limit and tickets: a layer's call then passes only the step's tensors.
     bind_rope_and_store_kv: Callable  # (cos_sin, k_cache, v_cache) -> (q, k, v, positions, slot_mapping) -> (q, k)
@@ -74,34 +71,7 @@ class Ops(NamedTuple):
     argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
 
 
-def _norm_before(rms_norm: Callable) -> Callable:
-    def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-             feeds: object) -> tuple[torch.Tensor, torch.Tensor]:
-        return (rms_norm(x, weight, eps), x) if residual is None else rms_norm(x, weight, eps, residual)
-    return norm
-
-
-def _rounds_for(x: torch.Tensor, feeds: object) -> bool:
-    return isinstance(feeds, kernels.QuantizedWeight) and kernels.rounds_x(x.shape[0], feeds) is not None
-
-
-def _fused_quant_norm_before(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                             feeds: object) -> tuple[torch.Tensor | kernels.RoundedRows, torch.Tensor]:
-    # Where the projection next rounds x anyway, the norm writes the codes itself: one kernel fewer before it.
-    if _rounds_for(x, feeds):
-        return kernels.rms_norm_rounded(x, weight, eps, residual, feeds.fmt)
-    return _norm_before(kernels.rms_norm)(x, weight, eps, residual, feeds)
-
-
-def _fused_quant_gate_up_swiglu(x: torch.Tensor | kernels.RoundedRows, weight: kernels.QuantizedWeight,
-                                feeds: object) -> torch.Tensor | kernels.RoundedRows:
-    gate_up = kernels.quantized_linear(x, weight)
-    if _rounds_for(gate_up, feeds):
-        return kernels.silu_and_mul_rounded(gate_up, feeds.fmt)
-    return kernels.silu_and_mul(gate_up)
-
-
-def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor, feeds: object = None) -> torch.Tensor:
+def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # One row in "fused" mode, which the host's launches bound: the projection and SwiGLU in one
     # launch (without split-K, the host's cheapest), where cuBLAS and the SwiGLU kernel take two.
     if x.shape[0] == 1:
@@ -131,8 +101,7 @@ def _bind_fused_rope_and_store_kv(cos_sin: torch.Tensor, k_cache: torch.Tensor, 
 EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
-    norm_before=_norm_before(reference.rms_norm),
-    gate_up_swiglu=lambda x, w, feeds: reference.silu_and_mul(reference.linear(x, w)),
+    gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
     bind_rope_and_store_kv=_bind_reference_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     bind_decode_attention=_bind_reference_decode_attention,
@@ -143,7 +112,6 @@ EAGER_OPS = Ops(
 FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
-    norm_before=_norm_before(kernels.rms_norm),
     gate_up_swiglu=_fused_gate_up_swiglu,
     bind_rope_and_store_kv=_bind_fused_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
@@ -161,7 +129,7 @@ FUSED_OPS = Ops(
 # the SwiGLU kernel, not gate_up_swiglu (19.7 against 23.6 µs at the 1B shape on an H200).
 # So too for decode attention: without tickets its merge is a second launch, sooner done on the GPU.
 GRAPH_OPS = FUSED_OPS._replace(
-    gate_up_swiglu=lambda x, w, feeds: kernels.silu_and_mul(kernels.linear(x, w)),
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
     bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
         kc, vc, scale, max_len),
     bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
@@ -170,11 +138,10 @@ GRAPH_OPS = FUSED_OPS._replace(
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).
 EAGER_QUANT_OPS = EAGER_OPS._replace(
     linear=reference_quant.quantized_linear,
-    gate_up_swiglu=lambda x, w, feeds: reference.silu_and_mul(reference_quant.quantized_linear(x, w)))
+    gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference_quant.quantized_linear(x, w)))
 FUSED_QUANT_OPS = FUSED_OPS._replace(
     linear=kernels.quantized_linear,
-    norm_before=_fused_quant_norm_before,
-    gate_up_swiglu=_fused_quant_gate_up_swiglu)
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
 GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention,
                                            bind_rope_decode_attention=GRAPH_OPS.bind_rope_decode_attention)
 
@@ -195,11 +162,11 @@ class RMSNorm(nn.Module):
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
-    def add_and_normalize(self, x: torch.Tensor, residual: torch.Tensor | None,
-                          feeds: object = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual) in one pass; the first layer has no residual yet: x is it.
-        `feeds`: the weight of the projection the result goes to (Ops.norm_before)."""
-        return self.ops.norm_before(x, self.weight, self.eps, residual, feeds)
+    def add_and_normalize(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual) in one pass; the first layer has no residual yet: x is it."""
+        if residual is None:
+            return self.normalize(x), x
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -244,9 +211,8 @@ class Attention(nn.Module):
                 self.cos_sin, k_cache, v_cache, self.scale, self.max_model_len, counters)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        ops = self.ops
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # x may come rounded for it (Ops.norm_before)
-        tokens = qkv.shape[0]
+        ops, tokens = self.ops, x.shape[0]
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         if not attn.is_prefill and self.rope_decode_attention is not None:
             o = self.rope_decode_attention(qkv, attn.block_tables, attn.seq_lens)
             return self._output(o, tokens)
@@ -305,8 +271,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        down = self.down_proj.weight
-        out = ops.linear(ops.gate_up_swiglu(x, self.gate_up_proj.weight, down), down)
+        out = ops.linear(ops.gate_up_swiglu(x, self.gate_up_proj.weight), self.down_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -325,9 +290,9 @@ class DecoderLayer(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried beside the layer output, so that each norm adds it in the
         # same pass ((x + residual) is both normalized and kept for the next add).
-        h, residual = self.input_layernorm.add_and_normalize(x, residual, self.self_attn.qkv_proj.weight)
+        h, residual = self.input_layernorm.add_and_normalize(x, residual)
         h = self.self_attn.forward(h, attn)  # forward, not __call__: see LlamaForCausalLM.forward
-        h, residual = self.post_attention_layernorm.add_and_normalize(h, residual, self.mlp.gate_up_proj.weight)
+        h, residual = self.post_attention_layernorm.add_and_normalize(h, residual)
         return self.mlp.forward(h), residual
 
 
@@ -386,10 +351,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
-        if isinstance(self.lm_head, QuantizedLinear):
-            h = self.model.norm.add_and_normalize(h, residual, self.lm_head.weight)[0]
-            return self.ops.linear(h, self.lm_head.weight, None, out)
         h = self.model.norm.add_and_normalize(h, residual)[0]
+        if isinstance(self.lm_head, QuantizedLinear):
+            return self.ops.linear(h, self.lm_head.weight, None, out)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight) if out is None else torch.matmul(h, weight.t(), out=out)
 

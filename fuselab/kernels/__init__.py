@@ -27,15 +27,12 @@ from fuselab.kernels.rope_store import bind_rope_and_store_kv, rope_and_store_kv
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
 from fuselab.kernels.quant_pack import QUANT_FORMATS, QuantizedWeight, quantize_weight
-from fuselab.kernels.quantized_linear import quantized_linear, rounds_x
-from fuselab.kernels.quantized_gemm_w8a8 import RoundedRows
-from fuselab.kernels.rounded_rows import rms_norm_rounded, silu_and_mul_rounded
+from fuselab.kernels.quantized_linear import quantized_linear
 
 __all__ = [
     "ATTENTION_HEAD_DIMS",
     "QUANT_FORMATS",
     "QuantizedWeight",
-    "RoundedRows",
     "add",
     "apply_rope",
     "argmax",
@@ -54,13 +51,10 @@ __all__ = [
     "quantize_weight",
     "quantized_linear",
     "rms_norm",
-    "rms_norm_rounded",
     "rope_and_store_kv",
     "rope_decode_attention",
     "rope_cos_sin",
-    "rounds_x",
     "silu_and_mul",
-    "silu_and_mul_rounded",
     "softmax",
     "store_kv",
     "swiglu",

@@ -41,7 +41,6 @@ does for bf16); its int8 tl.dot sums in int32, exactly, as the GPU does.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -78,25 +77,6 @@ _INT8 = tl.constexpr(_FORMAT_IDS["int8"])
 # 1.5 · 2^23: v + this lies in [2^23, 2^24), where fp32's step is 1, so the add rounds |v| < 2^22 to
 # an integer, ties to even (the constant is even); subtracting it back is exact.
 _ROUNDER = tl.constexpr(12582912.0)
-
-class RoundedRows(NamedTuple):
-    """x's rows as `quantize_rows` rounds them for a weight of `fmt`, made by the kernel that computes x
-    (rounded_rows); quantized_linear and the launchers here take it in place of x."""
-
-    codes: torch.Tensor  # [M, Kp]: int8 ("int4", "int8") or float8_e4m3fn ("fp8"), zero padded
-    scales: torch.Tensor  # [M] fp32: x ≈ codes · scale
-    fmt: str  # the weight format whose order and rounding the codes take
-    dtype: torch.dtype  # x's dtype: the projection's output dtype
-    in_features: int  # K, x's width before padding
-
-    @property
-    def rows(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -140,15 +120,6 @@ def _row_codes(x, scale, FORMAT: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
-def code_sources(cols, INT4_ORDER: tl.constexpr):
-    """The element of x's row that code column `cols` holds (the orders below)."""
-    if INT4_ORDER:
-        return (cols // 128) * 128 + (cols % 4) * 32 + ((cols % 128) // 64) * 16 + (cols % 64) // 4
-    else:
-        return (cols // 64) * 64 + (cols % 4) * 16 + (cols % 64) // 4
-
-
-@triton.jit
 def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
                           ONE_BLOCK: tl.constexpr, EXACT: tl.constexpr, INT4_ORDER: tl.constexpr,
                           USE_PDL: tl.constexpr):
@@ -159,7 +130,10 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     # the block and the next 16 the odd codes', 32·j + 16 + i (i = word % 16).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    src = code_sources(cols, INT4_ORDER)
+    if INT4_ORDER:
+        src = (cols // 128) * 128 + (cols % 4) * 32 + ((cols % 128) // 64) * 16 + (cols % 64) // 4
+    else:
+        src = (cols // 64) * 64 + (cols % 4) * 16 + (cols % 64) // 4
     x_row = X + row * stride_xm
     q_row = XQ + row * KP
     if USE_PDL:
@@ -304,12 +278,12 @@ def quantize_rows(x2: torch.Tensor, kp: int, fmt: str) -> tuple[torch.Tensor, to
     return codes, scales
 
 
-def launch_w8a8(x2: torch.Tensor | RoundedRows, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
+def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
                 config: tuple[int, int, int, int, int, int] | None = None,
                 counters: torch.Tensor | None = None) -> None:
     """y2 [M, N] = quantize(x2) · Wᵀ (+ bias) for an int8 or fp8 weight, x2 quantized to the weight's
     format; inputs checked by the caller (quantized_linear): x2 [M, K] with unit column stride, y2
-    contiguous in x2's dtype; or x2 rounded already (RoundedRows for the weight's format).
+    contiguous in x2's dtype.
 
     config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), w8a8_config's by default.
     counters: int32, one per output tile, at zero (the kernel leaves them at zero); by default the
@@ -318,8 +292,7 @@ def launch_w8a8(x2: torch.Tensor | RoundedRows, weight: QuantizedWeight, bias: t
     dependent launch."""
     if weight.fmt not in W8A8_FORMATS:
         raise ValueError(f"launch_w8a8 takes an int8 or fp8 weight, got {weight.fmt}")
-    rounded = isinstance(x2, RoundedRows)
-    m, n, n_words = x2.rows if rounded else x2.shape[0], weight.out_features, weight.data.shape[1]
+    m, n, n_words = x2.shape[0], weight.out_features, weight.data.shape[1]
     kp = 4 * n_words
     block_m, block_n, block_k, split_k, num_warps, num_stages = config or w8a8_config(m, n, kp, sm_count(x2.device))
     if block_k % 32 or kp % block_k:
@@ -331,7 +304,7 @@ def launch_w8a8(x2: torch.Tensor | RoundedRows, weight: QuantizedWeight, bias: t
         tiles = grid[0] * grid[1]
         counters = tile_counters(weight.counters if counters is None else counters, tiles, x2.device)
         parts = torch.empty(tiles * split_k * block_n * block_m, device=x2.device, dtype=torch.float32)
-    codes, scales = (x2.codes, x2.scales) if rounded else quantize_rows(x2, kp, weight.fmt)
+    codes, scales = quantize_rows(x2, kp, weight.fmt)
     pdl = use_pdl(x2.device)
     launch(_w8a8_kernel, grid,
         codes, scales, weight.data, weight.scales, weight.scales if bias is None else bias,

@@ -41,7 +41,7 @@ from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, sm_count, use_pdl
 from fuselab.kernels.quant_codes import _PTX
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight
-from fuselab.kernels.quantized_gemm_w8a8 import RoundedRows, quantize_rows
+from fuselab.kernels.quantized_gemm_w8a8 import quantize_rows
 
 A8_INT4_GROUP = 128  # int4 groups this kernel takes: one group a 16-word block
 A8_INT8_MAX_K = 133143  # int8's int32 sums are exact up to 127² · K < 2^31
@@ -180,23 +180,17 @@ def runs_a8(rows: int, weight: QuantizedWeight) -> bool:
     return rows == 1 and (int8 or (weight.fmt == "int4" and weight.group_size == A8_INT4_GROUP))
 
 
-def launch_gemv_a8(x2: torch.Tensor | RoundedRows, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
+def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
                    config: tuple[int, int, int, int] | None = None) -> None:
     """y2 [1, N] = quantize(x2) · Wᵀ (+ bias), x2's one row rounded to int8; inputs checked by the caller
-    (quantized_linear): x2 [1, K] with unit column stride, or rounded already (RoundedRows for the weight's
-    format), y2 contiguous in x2's dtype.
+    (quantized_linear): x2 [1, K] with unit column stride, y2 contiguous in x2's dtype.
     config: (BLOCK_N, BLOCK_B, num_warps, programs per SM), gemv_a8_config's by default."""
-    rounded = isinstance(x2, RoundedRows)
-    rows = x2.rows if rounded else x2.shape[0]
-    if not runs_a8(rows, weight):
+    if not runs_a8(x2.shape[0], weight):
         raise ValueError(f"launch_gemv_a8 takes one row and an int8 or int4-g{A8_INT4_GROUP} weight, got "
-                         f"{rows} rows and {weight.fmt} (group {weight.group_size})")
+                         f"{x2.shape[0]} rows and {weight.fmt} (group {weight.group_size})")
     n, n_words = weight.out_features, weight.data.shape[1]
     int4 = weight.fmt == "int4"
-    if rounded:
-        codes, x_scale = x2.codes, x2.scales
-    else:
-        codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
+    codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
     block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)

@@ -41,7 +41,7 @@ from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
 from fuselab.kernels.quant_pack import (
     BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
 from fuselab.kernels.quantized_gemm import launch_gemm
-from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, RoundedRows, launch_w8a8
+from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
 from fuselab.kernels.quantized_gemv_a8 import launch_gemv_a8, runs_a8
 
 # --------------------------------------------------------------------------------------------
@@ -243,49 +243,24 @@ def _check_weight(weight: object) -> None:
                          f"{getattr(counters, 'dtype', counters)!r} on {getattr(counters, 'device', None)}")
 
 
-def _check_rounded(x: RoundedRows, weight: QuantizedWeight) -> None:
-    """x rounded by its producer (rounded_rows) must be what this call would round it to."""
-    if x.fmt != weight.fmt or x.in_features != weight.in_features:
-        raise ValueError(f"x is rounded for a {x.fmt} weight of {x.in_features} inputs, but weight is {weight.fmt} "
-                         f"with in_features={weight.in_features}")
-    if x.rows and rounds_x(x.rows, weight) is None:
-        raise ValueError(f"x is rounded, but {x.rows} rows of this {weight.fmt} weight multiply x as it is "
-                         f"(rounds_x): pass x unrounded")
-    kp = values_per_word(weight.fmt) * weight.data.shape[1]
-    codes, scales = x.codes, x.scales
-    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[1] != kp or not codes.is_contiguous() \
-            or codes.element_size() != 1:
-        raise ValueError(f"x.codes must be a contiguous [rows, {kp}] 8-bit tensor, got "
-                         f"{getattr(codes, 'shape', codes)!r}")
-    if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (x.rows,) or scales.dtype != torch.float32:
-        raise ValueError(f"x.scales must be a ({x.rows},) float32 tensor, got {getattr(scales, 'shape', scales)!r}")
-    if codes.device != weight.data.device or scales.device != codes.device:
-        raise ValueError(f"x is on {codes.device} but weight is on {weight.data.device}")
-
-
 def _check(x: object, weight: object, bias: object, out: object) -> None:
-    if isinstance(x, RoundedRows):
-        _check_weight(weight)
-        _check_rounded(x, weight)
-        shape, dtype, device = (x.rows, weight.out_features), x.dtype, x.device
-    else:
-        check_float_tensor("x", x)
-        _check_weight(weight)
-        if x.dim() == 0 or x.shape[-1] != weight.in_features:
-            raise ValueError(f"x's last dim must equal weight's in_features ({weight.in_features}), got shape "
-                             f"{tuple(x.shape)}")
-        if x.device != weight.data.device:
-            raise ValueError(f"x is on {x.device} but weight is on {weight.data.device}")
-        shape, dtype, device = (*x.shape[:-1], weight.out_features), x.dtype, x.device
+    check_float_tensor("x", x)
+    _check_weight(weight)
+    if x.dim() == 0 or x.shape[-1] != weight.in_features:
+        raise ValueError(f"x's last dim must equal weight's in_features ({weight.in_features}), got shape "
+                         f"{tuple(x.shape)}")
+    if x.device != weight.data.device:
+        raise ValueError(f"x is on {x.device} but weight is on {weight.data.device}")
     if bias is not None:
         check_float_tensor("bias", bias)
-        if tuple(bias.shape) != (weight.out_features,) or bias.dtype != dtype or bias.device != device:
-            raise ValueError(f"bias must be a ({weight.out_features},) {dtype} tensor on {device}, got "
+        if tuple(bias.shape) != (weight.out_features,) or bias.dtype != x.dtype or bias.device != x.device:
+            raise ValueError(f"bias must be a ({weight.out_features},) {x.dtype} tensor on {x.device}, got "
                              f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
     if out is not None:
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype \
-                or out.device != device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {shape} {dtype} tensor on {device}, got "
+        shape = (*x.shape[:-1], weight.out_features)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype \
+                or out.device != x.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {shape} {x.dtype} tensor on {x.device}, got "
                              f"{getattr(out, 'shape', out)!r}")
 
 
@@ -312,17 +287,13 @@ def rounds_x(rows: int, weight: QuantizedWeight) -> str | None:
     return weight.fmt if runs_w8a8(rows, weight) else None
 
 
-def quantized_linear(x: torch.Tensor | RoundedRows, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
     written into `out` when given. x is rounded per row (to int8 codes, or e4m3 for fp8 weights)
     where `rounds_x` says so: one row of a large int8 or int4-g128 weight, W8A8's rows of 8-bit
-    weights. There x may come rounded already, as RoundedRows [M, K] from the kernel that made it
-    (rms_norm_rounded, silu_and_mul_rounded): y is then [M, N]. Inference only: no gradient flows to
-    the quantized weight."""
+    weights. Inference only: no gradient flows to the quantized weight."""
     _check(x, weight, bias, out)
-    if isinstance(x, RoundedRows):
-        return _rounded_linear(x, weight, bias, out)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -346,19 +317,4 @@ def quantized_linear(x: torch.Tensor | RoundedRows, weight: QuantizedWeight, bia
         torch.matmul(x2, dequantize(weight, x.dtype).t(), out=y2)
         if bias is not None:
             y2 += bias
-    return out
-
-
-def _rounded_linear(x: RoundedRows, weight: QuantizedWeight, bias: torch.Tensor | None,
-                    out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        out = torch.empty(x.rows, weight.out_features, device=x.device, dtype=x.dtype)
-    if x.rows == 0 or weight.out_features == 0:
-        return out
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
-    if runs_gemv_a8(x.rows, weight):
-        launch_gemv_a8(x, weight, bias, out)
-    else:
-        launch_w8a8(x, weight, bias, out)
     return out
