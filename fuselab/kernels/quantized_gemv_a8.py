@@ -22,8 +22,8 @@ sums to an int32 in one instruction: with x's codes as int8, an int8 word costs 
   FMA; y = acc · s_x / 16.
 - The walk is the fp32 GEMV's: a program takes tiles of BLOCK_N rows of W in runs of BLOCK_B
   16-word blocks, requests the next run before it multiplies the current one, and programs walk
-  tiles pid, pid + programs, ... so that each SM keeps a few runs in flight. A run's group scales
-  and x's codes are requested with its words, a step ahead of their use.
+  tiles pid, pid + programs, ... so that each SM keeps a few runs in flight. For int4 a run's
+  group scales and x's codes are requested with its words, a step ahead of their use.
 
 Triton's interpreter has no inline assembly: there dp4a is spelled out in int32 arithmetic, the same
 sums exactly.
@@ -98,8 +98,6 @@ def _gemv_a8_kernel(
     if INT4:
         x_even = tl.load(x_ptrs)
         x_odd = tl.load(x_ptrs + 16)
-    else:
-        xw = tl.load(x_ptrs)
     zero = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.int32)
     if INT4:
         acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
@@ -110,14 +108,12 @@ def _gemv_a8_kernel(
         next_rows = tl.minimum((pid + (nxt // RUNS) * programs) * BLOCK_N + tile_rows, N - 1)
         next_run = nxt % RUNS
         w_next = tl.load(Wq + next_rows[:, None, None].to(tl.int64) * n_words + offsets + next_run * BLOCK_W)
-        # The next run's scales and x's codes are requested with its words: a load used in the same
-        # step would put its latency on every step's critical path.
+        # int4: the next run's group scales and x's codes are requested with its words, so that their
+        # latency is off the step's critical path (int8, with no scale in the loop, ran slower so).
         if INT4:
             s_next = tl.load(s_ptrs + next_rows[:, None].to(tl.int64) * stride_sn + next_run * BLOCK_B)
             x_even_next = tl.load(x_ptrs + next_run * 2 * BLOCK_W)
             x_odd_next = tl.load(x_ptrs + next_run * 2 * BLOCK_W + 16)
-        else:
-            xw_next = tl.load(x_ptrs + next_run * BLOCK_W)
         rows = (pid + (i // RUNS) * programs) * BLOCK_N + tile_rows
         row_ok = rows < N
         rows = tl.minimum(rows, N - 1)
@@ -130,8 +126,8 @@ def _gemv_a8_kernel(
             acc += sums.to(tl.float32) * s.to(tl.float32)[:, :, None]
             s, x_even, x_odd = s_next, x_even_next, x_odd_next
         else:
-            acc = _dp4a(w ^ sign_bits, tl.broadcast_to(xw, (BLOCK_N, BLOCK_B, 16)), acc)
-            xw = xw_next
+            xw = tl.broadcast_to(tl.load(x_ptrs + run * BLOCK_W), (BLOCK_N, BLOCK_B, 16))
+            acc = _dp4a(w ^ sign_bits, xw, acc)
         if run == RUNS - 1:
             if INT4:
                 y = tl.sum(tl.sum(acc, axis=2), axis=1) * (x_scale * 0.0625)
