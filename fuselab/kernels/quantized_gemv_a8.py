@@ -88,8 +88,8 @@ def _gemv_a8_kernel(
     tile_rows = tl.arange(0, BLOCK_N)
     rows = tl.minimum(pid * BLOCK_N + tile_rows, N - 1)
     w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
-    s_ptrs = S + blocks[None, :]
-    if INT4:
+    if INT4:  # a run's group scales are weights too: the first run's before the wait
+        s_ptrs = S + blocks[None, :]
         s = tl.load(s_ptrs + rows[:, None].to(tl.int64) * stride_sn)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
