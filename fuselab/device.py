@@ -137,4 +137,9 @@ def ceilings(path: str | os.PathLike | None = None) -> Ceilings:
             return Ceilings(c["copy_bandwidth_gbs"], c["bf16_tflops"], source=f"measured ({candidate})")
     elif path is not None:
         raise FileNotFoundError(f"probe result not found: {candidate} (run `fuselab probe --json {candidate}`)")
+    # On another GPU the H200's figures misstate every roofline percentage: say so where they are printed.
+    name = torch.cuda.get_device_name() if has_cuda() else None
+    if name is not None and "H200" not in name:
+        return Ceilings(STATED_CEILINGS.copy_bandwidth_gbs, STATED_CEILINGS.bf16_tflops,
+                        source=f"stated (H200 figures, not this {name}'s: run `fuselab probe` to measure them)")
     return STATED_CEILINGS
