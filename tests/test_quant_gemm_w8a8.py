@@ -9,6 +9,7 @@ import torch
 from kernel_checks import DTYPES, assert_close, kernel_module
 
 from fuselab.kernels import QuantizedWeight, quantize_weight, quantized_linear, reference_quant
+from fuselab.graphs import bucket_for, default_buckets
 from fuselab.kernels._common.launch import cdiv
 from fuselab.kernels.quant_pack import pack_codes, packed_words
 from fuselab.kernels.reference_quant import dequantize
@@ -417,3 +418,21 @@ def test_the_gpu_rounds_x_as_torch_and_split_k_repeats_itself(fmt):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("m", [17, 20, 33, 47, 130])
+def test_a_batch_and_the_graph_bucket_that_pads_it_take_one_config(m):
+    bucket = bucket_for(m, default_buckets(256))
+    for n, k in [*LLAMA3_8B.values(), (64, 128)]:  # the last split K at 20 rows, not at 24, before
+        kp = 4 * packed_words(k, "fp8")
+        assert qw.w8a8_config(m, n, kp, 132) == qw.w8a8_config(bucket, n, kp, 132)
+
+
+def test_fp8_rows_do_not_change_when_a_graph_bucket_pads_the_batch(device):
+    # 20 rows and 24 once split K in two and once not: fp8's fp32 sums then rounded differently.
+    torch.manual_seed(0)
+    weight = quantize_weight(torch.randn(64, 128, device=device), "fp8")
+    x = torch.randn(32, 128, device=device)
+    rows = quantized_linear(x[:20].contiguous(), weight)
+    for bucket in (24, 32):
+        assert torch.equal(quantized_linear(x[:bucket].contiguous(), weight)[:20], rows)
