@@ -8,8 +8,8 @@ import pytest
 import torch
 from kernel_checks import DTYPES, assert_close, kernel_module
 
-from fuselab.kernels import QuantizedWeight, quantize_weight, quantized_linear, reference_quant
 from fuselab.graphs import bucket_for, default_buckets
+from fuselab.kernels import QuantizedWeight, quantize_weight, quantized_linear, reference_quant
 from fuselab.kernels._common.launch import cdiv
 from fuselab.kernels.quant_pack import pack_codes, packed_words
 from fuselab.kernels.reference_quant import dequantize
