@@ -104,7 +104,19 @@ def test_int8_rows_too_long_for_exact_int32_sums_are_not_taken(device):
 def test_config_rule_divides_the_row():
     for n in (9, 4096, 28672):
         for fmt in ("int4", "int8"):
-            for n_words in (16, 48, 512, 1792, 2048):
-                block_n, block_b, warps, per_sm = qa.gemv_a8_config(n, n_words, fmt)
-                cap = 8 if n >= qa.A8_WIDE_ROWS else qa.A8_MAX_RUN_BLOCKS
-                assert (n_words // 16) % block_b == 0 and block_b <= cap and warps >= 1
+            for n_words in (16, 48, 512, 1792, 2048, 3584):
+                for sms in (1, 132):
+                    block_n, block_b, warps, per_sm = qa.gemv_a8_config(n, n_words, fmt, sms)
+                    assert (n_words // 16) % block_b == 0 and block_b <= 2 * qa.A8_MAX_RUN_BLOCKS
+                    assert 1 <= warps <= 2 and per_sm in (qa.A8_PROGRAMS_PER_SM, 2 * qa.A8_PROGRAMS_PER_SM)
+
+
+def test_config_rule_takes_more_programs_where_tiles_outnumber_them():
+    # The 8B q/k/v (6144 rows, 1536 tiles of 4) outnumber 8 programs an SM on 132 SMs, not on 512.
+    assert qa.gemv_a8_config(6144, 512, "int4", 132) == (4, 8, 1, 16)
+    assert qa.gemv_a8_config(6144, 512, "int4", 512) == (4, 16, 2, 8)
+    assert qa.gemv_a8_config(6144, 1024, "int8", 132) == (4, 16, 2, 16)
+    # int8's long rows (the 8B down: 224 blocks) take runs of 32; int4's (112 blocks) cannot.
+    assert qa.gemv_a8_config(4096, 3584, "int8", 132) == (4, 32, 2, 8)
+    assert qa.gemv_a8_config(4096, 1792, "int4", 132) == (4, 16, 2, 8)
+    assert qa.gemv_a8_config(28672, 1024, "int8", 132) == (8, 8, 1, 16)

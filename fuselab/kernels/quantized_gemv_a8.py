@@ -145,28 +145,36 @@ def _gemv_a8_kernel(
 # Host launcher
 # --------------------------------------------------------------------------------------------
 
-# The tiles (scripts/tune-quant-gemv --pdl --rows 1 over the Llama 3 1B and 8B projections): 4 rows of W,
-# runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM; for weights of A8_WIDE_ROWS rows or
-# more (gate/up, lm_head), whose tiles outnumber the programs many times, runs of 8 blocks at one warp
-# and 16 programs an SM, 8 rows a tile for int8.
+# The tiles (scripts/tune-quant-gemv --pdl --rows 1 over the Llama 3 1B and 8B projections, on an H200 and an
+# H100): 4 rows of W, runs of up to 16 blocks (256 words, 2 warps), 8 programs an SM. Weights whose tiles outnumber
+# those programs (the 8B q/k/v; gate/up and lm_head, A8_WIDE_ROWS rows or more, many times over) take 16 programs an
+# SM: int4 with runs of 8 blocks at one warp; int8 with runs of 16 at two, 8 rows a tile where wide. int8 rows of
+# A8_LONG_ROW_BLOCKS blocks or more (the down projections) take runs of 32 blocks at two warps.
 A8_ROWS = 4
 A8_MAX_RUN_BLOCKS = 16
 A8_PROGRAMS_PER_SM = 8
 A8_WIDE_ROWS = 16384
+A8_LONG_ROW_BLOCKS = 128
 
 
 @functools.lru_cache(maxsize=1024)
-def gemv_a8_config(n: int, n_words: int, fmt: str) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_B, num_warps, programs per SM) for a weight of n rows of n_words words: the longest
-    run of blocks up to the cap (A8_MAX_RUN_BLOCKS, 8 for wide weights) that divides the row (so that no
-    run is masked), a warp per 8 blocks."""
+def gemv_a8_config(n: int, n_words: int, fmt: str, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_B, num_warps, programs per SM) for a weight of n rows of n_words words on a GPU of `sms`
+    SMs: the longest run of blocks up to the cap (above) that divides the row (so that no run is masked)."""
     wide = n >= A8_WIDE_ROWS
+    many_tiles = wide or cdiv(n, A8_ROWS) > A8_PROGRAMS_PER_SM * sms
     blocks = n_words // BLOCK_WORDS
+    if fmt == "int4":
+        cap = 8 if many_tiles else A8_MAX_RUN_BLOCKS
+    else:
+        cap = 8 if wide else 2 * A8_MAX_RUN_BLOCKS if blocks >= A8_LONG_ROW_BLOCKS and not many_tiles \
+            else A8_MAX_RUN_BLOCKS
     block_b = 1
-    while block_b < (8 if wide else A8_MAX_RUN_BLOCKS) and blocks % (2 * block_b) == 0:
+    while block_b < cap and blocks % (2 * block_b) == 0:
         block_b *= 2
     block_n = 8 if wide and fmt == "int8" else A8_ROWS
-    return block_n, block_b, max(1, block_b // 8), 2 * A8_PROGRAMS_PER_SM if wide else A8_PROGRAMS_PER_SM
+    num_warps = max(1, min(2, block_b // 8))
+    return block_n, block_b, num_warps, 2 * A8_PROGRAMS_PER_SM if many_tiles else A8_PROGRAMS_PER_SM
 
 
 def runs_a8(rows: int, weight: QuantizedWeight) -> bool:
@@ -187,7 +195,7 @@ def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
     n, n_words = weight.out_features, weight.data.shape[1]
     int4 = weight.fmt == "int4"
     codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
-    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt)
+    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt, sm_count(x2.device))
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
     launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),
