@@ -239,16 +239,16 @@ def test_schemes_not_yet_checked_on_a_gpu_are_refused_there(checkpoints, monkeyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int8", "fp8"])
 def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization, monkeypatch):
-    """Batches of 1, 3 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
-    cuBLAS (int8 and fp8: W8A8 from 16 rows), the decode step replayed from CUDA graphs, against the
-    same model without graphs."""
+    """Batches of 1, 3, 12 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
+    cuBLAS (int8 and fp8: W8A8 from 9 rows; 12 replays the graph of 16), the decode step replayed from CUDA
+    graphs, against the same model without graphs."""
     monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
     path = checkpoints["llama3"][1]
     prompts = [[(7 * i + j) % 256 for j in range(5 + i)] for i in range(20)]
     args = dict(dtype="float32", max_model_len=128, device="cuda", quantization=quantization, max_num_seqs=32)
     fused = LLM(path, mode="fused", **args)
     graphs = LLM(path, mode="graphs", **args)
-    for batch in (prompts[:1], prompts[:3], prompts):
+    for batch in (prompts[:1], prompts[:3], prompts[:12], prompts):
         expected = [o.token_ids for o in fused.generate(batch, GREEDY)]
         assert [o.token_ids for o in graphs.generate(batch, GREEDY)] == expected
     assert graphs.runner.graphs.replays > 0

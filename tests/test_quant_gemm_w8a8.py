@@ -420,7 +420,7 @@ def test_the_gpu_rounds_x_as_torch_and_split_k_repeats_itself(fmt):
     assert torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("m", [17, 20, 33, 47, 130])
+@pytest.mark.parametrize("m", [9, 12, 15, 17, 20, 33, 47, 130])
 def test_a_batch_and_the_graph_bucket_that_pads_it_take_one_config(m):
     bucket = bucket_for(m, default_buckets(256))
     for n, k in [*LLAMA3_8B.values(), (64, 128)]:  # the last split K at 20 rows, not at 24, before
@@ -433,6 +433,18 @@ def test_fp8_rows_do_not_change_when_a_graph_bucket_pads_the_batch(device):
     torch.manual_seed(0)
     weight = quantize_weight(torch.randn(64, 128, device=device), "fp8")
     x = torch.randn(32, 128, device=device)
-    rows = quantized_linear(x[:20].contiguous(), weight)
-    for bucket in (24, 32):
-        assert torch.equal(quantized_linear(x[:bucket].contiguous(), weight)[:20], rows)
+    for m, buckets in ((20, (24, 32)), (ql.W8A8_MIN_ROWS, (16,)), (15, (16,))):
+        rows = quantized_linear(x[:m].contiguous(), weight)
+        for bucket in buckets:
+            assert torch.equal(quantized_linear(x[:bucket].contiguous(), weight)[:m], rows), (m, bucket)
+
+
+def test_every_graph_bucket_runs_the_product_of_the_batches_it_replays():
+    """A batch replayed from a CUDA graph captured at a larger bucket takes W8A8 (x rounded) exactly when the
+    same batch run without graphs does: otherwise the two modes compute different products."""
+    for fmt in FORMATS:
+        weight = quantize_weight(torch.randn(24, 64), fmt)
+        for max_batch in (12, 16, 20, 64, 256):
+            for batch in range(1, max_batch + 1):
+                bucket = bucket_for(batch, default_buckets(max_batch))
+                assert ql.runs_w8a8(batch, weight) == ql.runs_w8a8(bucket, weight), (fmt, max_batch, batch)

@@ -246,7 +246,7 @@ def w8a8_config(m: int, n: int, kp: int, sms: int) -> tuple[int, int, int, int, 
     - BLOCK_M: x's rows padded to a power of two, 16 (the MMA's narrow side) to MAX_BLOCK_M.
     - BLOCK_N (64, 128, 256; BLOCK_N · BLOCK_M within MAX_ACCUMULATORS) and SPLIT_K (1 to MAX_SPLIT_K,
       64 bytes of the row each at least): the pair whose busiest SM reads the fewest bytes
-      (`_bytes_per_sm`; from 17 rows x's rows count as BLOCK_M's, so that the pick depends on BLOCK_M
+      (`_bytes_per_sm`; from 2 rows x's rows count as BLOCK_M's, so that the pick depends on BLOCK_M
       alone): narrow tiles of W re-read x from L2, splits fill SMs the tiles of W leave idle but add
       partials, a wave more costs a program's fixed cost. Ties go to fewer splits, then wider
       tiles. Large m (prefill) ends at the largest tiles and one split.
@@ -255,9 +255,9 @@ def w8a8_config(m: int, n: int, kp: int, sms: int) -> tuple[int, int, int, int, 
     - num_stages: MAX_STAGES, fewer if the pipeline would pass SHARED_BUDGET.
     """
     block_m = min(MAX_BLOCK_M, max(16, next_power_of_2(m)))
-    # Past one tile of 16, x's rows count as the whole tile's: a batch and the CUDA-graph bucket that pads it
-    # (the same power of two) then take one config, so that fp8's fp32 sums, whose order split-K sets, agree.
-    counted = m if m <= 16 else max(m, block_m)
+    # Past one row, x's rows count as the whole tile's: a batch and the CUDA-graph bucket that pads it (the
+    # same power of two) then take one config, so that fp8's fp32 sums, whose order split-K sets, agree.
+    counted = m if m == 1 else max(m, block_m)
     splits = [s for s in (1, 2, 4, 8) if s <= min(MAX_SPLIT_K, kp // 64)]
     _, split_k, block_n = min((_bytes_per_sm(counted, n, kp, sms, block_m, bn, s), s, -bn)
                               for bn in BLOCK_NS if bn * block_m <= MAX_ACCUMULATORS for s in splits)

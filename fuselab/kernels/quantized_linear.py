@@ -154,8 +154,9 @@ FUSED_MAX_ROWS = 256
 # Rows of x from which an int8 or fp8 weight (W8A8_FORMATS) runs as W8A8 (the activations quantized too),
 # at every larger M: its tile rule covers prefill, where the 8-bit MMA's rate is twice bf16's. From 16
 # rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
-# docs/quantization.md); fewer, not timed. int8 takes the same kernel and rule.
-W8A8_MIN_ROWS = 16
+# docs/quantization.md); int8 takes the same kernel and rule. From 9, not 16: the CUDA graph that replays
+# a batch of 9-15 sequences is captured at 16 rows, and the step must compute what it computes.
+W8A8_MIN_ROWS = 9
 # fp8 weights of at least this many weights run W8A8 at one row too: the 8-bit MMA takes the codes as
 # loaded, where the GEMV converts each one. Faster than the GEMV on the Llama 3 8B gate/up and lm_head,
 # slower on q/k/v, output and down (scripts/tune-quant-gemv --rows 1; docs/quantization.md).
