@@ -54,6 +54,17 @@ def test_configs_walk_several_runs_and_tiles(device, fmt, group, config):
     assert_close(_run(x, weight, config=config), _expected(x, weight), torch.float32, scale=4.0)
 
 
+@pytest.mark.parametrize("fmt, group", FORMATS)
+@pytest.mark.parametrize("config", [(4, 32, 2, 1), (4, 8, 1, 2)])
+def test_the_rules_long_and_short_runs_walk_a_row_of_64_blocks(device, fmt, group, config):
+    # gemv_a8_config's runs of 32 blocks at two warps (int8's down projections) and of 8 at one warp (the 8B
+    # q/k/v): 9 rows of 64 blocks, two runs or eight a row, a partial last tile.
+    k = 64 * 16 * (8 if fmt == "int4" else 4)
+    weight = _weight(fmt, group, 9, k, device, 9)
+    x = _randn((1, k), torch.float32, device, 10)
+    assert_close(_run(x, weight, config=config), _expected(x, weight), torch.float32, scale=4.0)
+
+
 def test_every_code_of_an_int4_word_meets_its_element(device):
     # One weight row whose codes run through every value -8..7 at every position of a block, x a ramp:
     # any mix-up of code positions or of the nibbles' order changes the product.
