@@ -237,7 +237,7 @@ def test_schemes_not_yet_checked_on_a_gpu_are_refused_there(checkpoints, monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int8", "fp8"])
+@pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int4-g64", "int8", "fp8"])
 def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization, monkeypatch):
     """Batches of 1, 3, 12 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
     cuBLAS (int8 and fp8: W8A8 from 9 rows; 12 replays the graph of 16), the decode step replayed from CUDA

@@ -145,6 +145,18 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_weights(gptq_checkp
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))] == expected
 
 
+@pytest.mark.gpu
+def test_graphs_mode_replays_the_fused_step_of_a_gptq_checkpoint(gptq_checkpoint):
+    path, _, _ = gptq_checkpoint
+    prompts = [[(7 * i + j) % 256 for j in range(3 + i)] for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    args = dict(dtype="float32", max_model_len=64, device="cuda", max_num_seqs=8)
+    expected = [o.token_ids for o in LLM(path, mode="fused", **args).generate(prompts, greedy)]
+    graphs = LLM(path, mode="graphs", **args)
+    assert [o.token_ids for o in graphs.generate(prompts, greedy)] == expected
+    assert graphs.runner.graphs.replays > 0
+
+
 def test_gptq_v2_zero_points_are_stored_as_they_are(tmp_path):
     dequantized = write_gptq_checkpoint(build_hf_model("qwen2"), tmp_path, 32, checkpoint_format="gptq_v2")
     llm = LLM(tmp_path, mode="eager", dtype="float32", max_model_len=64)
