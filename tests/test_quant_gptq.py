@@ -22,8 +22,14 @@ from safetensors.torch import load_file, save_file
 from engine_checkpoints import build_hf_model, hf_greedy, save_checkpoint
 from fuselab.engine import LLM, SamplingParams
 from fuselab.engine.config import CheckpointError
+from fuselab.engine.engine_config import EXPERIMENTAL_GPU_QUANT
 from fuselab.kernels.reference_quant import dequantize
 
+
+@pytest.fixture(autouse=True)
+def _every_scheme_allowed(monkeypatch):
+    """These tests check the schemes themselves; which of them a GPU refuses is tested on its own."""
+    monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
