@@ -166,9 +166,12 @@ def gemv_a8_config(n: int, n_words: int, fmt: str, sms: int) -> tuple[int, int, 
     blocks = n_words // BLOCK_WORDS
     if fmt == "int4":
         cap = 8 if many_tiles else A8_MAX_RUN_BLOCKS
+    elif wide:
+        cap = 8
+    elif blocks >= A8_LONG_ROW_BLOCKS and not many_tiles:
+        cap = 2 * A8_MAX_RUN_BLOCKS
     else:
-        cap = 8 if wide else 2 * A8_MAX_RUN_BLOCKS if blocks >= A8_LONG_ROW_BLOCKS and not many_tiles \
-            else A8_MAX_RUN_BLOCKS
+        cap = A8_MAX_RUN_BLOCKS
     block_b = 1
     while block_b < cap and blocks % (2 * block_b) == 0:
         block_b *= 2

@@ -154,8 +154,9 @@ FUSED_MAX_ROWS = 256
 # Rows of x from which an int8 or fp8 weight (W8A8_FORMATS) runs as W8A8 (the activations quantized too),
 # at every larger M: its tile rule covers prefill, where the 8-bit MMA's rate is twice bf16's. From 16
 # rows fp8's beat the W8A16 GEMM on the Llama 3 8B projections (scripts/tune-quant-gemv;
-# docs/quantization.md); int8 takes the same kernel and rule. From 9, not 16: the CUDA graph that replays
-# a batch of 9-15 sequences is captured at 16 rows, and the step must compute what it computes.
+# docs/quantization.md); int8 takes the same kernel and rule. From 9, not 16: the CUDA graph that replays a
+# batch of 9-15 sequences is captured at 16 rows, and the same batch without graphs must compute what it computes
+# (at 9-12 rows W8A8 was also the faster, a layer of the 8B shape).
 W8A8_MIN_ROWS = 9
 # fp8 weights of at least this many weights run W8A8 at one row too: the 8-bit MMA takes the codes as
 # loaded, where the GEMV converts each one. Faster than the GEMV on the Llama 3 8B gate/up and lm_head,
