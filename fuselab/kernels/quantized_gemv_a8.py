@@ -198,10 +198,11 @@ def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
     n, n_words = weight.out_features, weight.data.shape[1]
     int4 = weight.fmt == "int4"
     codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
-    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt, sm_count(x2.device))
+    sms = sm_count(x2.device)
+    block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt, sms)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
-    launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),
+    launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sms),),
         codes.view(torch.int32), x_scale, weight.data, weight.scales, weight.scales if bias is None else bias, y2,
         n, n_words, weight.scales.stride(0), n_tiles, HIGH_NIBBLES, SIGN_BITS,
         INT4=int4, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
