@@ -127,3 +127,23 @@ def _registers_per_sm(device_index: int) -> int:
 
 # Shared memory the driver keeps for each resident program (1 KiB since sm_80).
 _RESERVED_SHARED_PER_PROGRAM = 1024
+
+
+# Experiment: the kernels of these groups (comma-separated, or "all") let the next kernel launch before their
+# own wait, so that a chain of short kernels launches the projection after it while the kernel before them runs.
+_TRIGGER_FIRST = frozenset(os.environ.get("FUSELAB_PDL_FIRST", "").split(","))
+
+
+def pdl_trigger_first(group: str) -> tl.constexpr:
+    return tl.constexpr(group in _TRIGGER_FIRST or "all" in _TRIGGER_FIRST)
+
+
+@triton.jit
+def pdl_wait(TRIGGER_FIRST: tl.constexpr):
+    """Wait for the kernel before (its output is this one's input) and let the next kernel launch: before
+    the wait when TRIGGER_FIRST, else after it."""
+    if TRIGGER_FIRST:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_wait()
+    if not TRIGGER_FIRST:
+        tl.extra.cuda.gdc_launch_dependents()
