@@ -50,7 +50,7 @@ from fuselab.kernels.quantized_gemv_a8 import launch_gemv_a8, runs_a8
 
 
 # Experiment: the one-row GEMV lets the next kernel launch after its loop rather than after its wait.
-_TRIGGER_LATE = tl.constexpr(__import__("os").environ.get("FUSELAB_PDL_A8_LATE", "") == "1")
+_TRIGGER_LATE = tl.constexpr(__import__("os").environ.get("FUSELAB_PDL_FP32_LATE", "") == "1")
 
 @triton.jit
 def _gemv_kernel(
