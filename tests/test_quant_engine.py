@@ -17,17 +17,11 @@ from fuselab.bench import decode_quant
 from fuselab.cli import main
 from fuselab.engine import LLM, SamplingParams
 from fuselab.engine import cli as engine_cli
-from fuselab.engine.engine_config import EXPERIMENTAL_GPU_QUANT, EngineConfig
+from fuselab.engine.engine_config import EngineConfig
 from fuselab.engine.quant_quality import compare, log_probs
 from fuselab.engine.quantize import (
     QUANTIZATION_CHOICES, SPLIT_COUNTERS, QuantizedLinear, parse_quantization, weight_bytes)
 from fuselab.kernels import quantize_weight
-
-
-@pytest.fixture(autouse=True)
-def _every_scheme_allowed(monkeypatch):
-    """These tests check the schemes themselves; which of them a GPU refuses is tested on its own."""
-    monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -227,22 +221,11 @@ def test_step_bytes_count_each_projection_packed():
 
 
 @pytest.mark.gpu
-def test_schemes_not_yet_checked_on_a_gpu_are_refused_there(checkpoints, monkeypatch):
-    monkeypatch.delenv(EXPERIMENTAL_GPU_QUANT, raising=False)
-    for quantization in ("int4-g32", "int4-g64"):
-        with pytest.raises(ValueError, match=EXPERIMENTAL_GPU_QUANT):
-            LLM(checkpoints["llama3"][1], device="cuda", quantization=quantization)
-    for quantization in ("int4", "int8", "fp8"):
-        LLM(checkpoints["llama3"][1], device="cuda", mode="fused", quantization=quantization)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("quantization", ["int4", "int4-g32", "int4-g64", "int8", "fp8"])
-def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization, monkeypatch):
+def test_graphs_mode_replays_the_quantized_step_of_fused_mode(checkpoints, quantization):
     """Batches of 1, 3, 12 and 20 sequences: the GEMV, the tensor-core kernel and (prefill) dequantize +
     cuBLAS (int8 and fp8: W8A8 from 9 rows; 12 replays the graph of 16), the decode step replayed from CUDA
     graphs, against the same model without graphs."""
-    monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
     path = checkpoints["llama3"][1]
     prompts = [[(7 * i + j) % 256 for j in range(5 + i)] for i in range(20)]
     args = dict(dtype="float32", max_model_len=128, device="cuda", quantization=quantization, max_num_seqs=32)

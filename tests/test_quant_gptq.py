@@ -22,14 +22,8 @@ from safetensors.torch import load_file, save_file
 from engine_checkpoints import build_hf_model, hf_greedy, save_checkpoint
 from fuselab.engine import LLM, SamplingParams
 from fuselab.engine.config import CheckpointError
-from fuselab.engine.engine_config import EXPERIMENTAL_GPU_QUANT
 from fuselab.kernels.reference_quant import dequantize
 
-
-@pytest.fixture(autouse=True)
-def _every_scheme_allowed(monkeypatch):
-    """These tests check the schemes themselves; which of them a GPU refuses is tested on its own."""
-    monkeypatch.setenv(EXPERIMENTAL_GPU_QUANT, "1")
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -130,7 +124,7 @@ def test_the_engine_reads_the_codes_the_checkpoint_holds(gptq_checkpoint):
     merged = {"self_attn.qkv_proj": ["q_proj", "k_proj", "v_proj"], "self_attn.o_proj": ["o_proj"],
               "mlp.gate_up_proj": ["gate_proj", "up_proj"], "mlp.down_proj": ["down_proj"]}
     for module, parts in merged.items():
-        got = dequantize(layer.get_submodule(module).weight)
+        got = dequantize(layer.get_submodule(module).weight).cpu()  # the engine's device: cuda where there is one
         expected = torch.cat([dequantized[f"model.layers.1.{module.split('.')[0]}.{p}"] for p in parts])
         assert torch.equal(got, expected), module
     assert llm.model.lm_head.weight.dtype == torch.float32 and c.quantization.zero_offset == 1
@@ -160,7 +154,7 @@ def test_graphs_mode_replays_the_fused_step_of_a_gptq_checkpoint(gptq_checkpoint
 def test_gptq_v2_zero_points_are_stored_as_they_are(tmp_path):
     dequantized = write_gptq_checkpoint(build_hf_model("qwen2"), tmp_path, 32, checkpoint_format="gptq_v2")
     llm = LLM(tmp_path, mode="eager", dtype="float32", max_model_len=64)
-    got = dequantize(llm.model.model.layers[0].mlp.down_proj.weight)
+    got = dequantize(llm.model.model.layers[0].mlp.down_proj.weight).cpu()
     assert torch.equal(got, dequantized["model.layers.0.mlp.down_proj"])
     assert llm.model.model.layers[0].self_attn.qkv_proj.bias is not None  # Qwen2's bias, float16 in the file
 

@@ -190,24 +190,9 @@ def _resolve_dtype(dtype: object, config: ModelConfig, device: torch.device) -> 
     raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or a torch dtype among them, got {dtype!r}")
 
 
-# The schemes whose engine tests have all passed on a GPU (eager == fused tokens, the logits' quality,
-# graphs replaying fused). The others (int4 groups of 32 or 64, GPTQ checkpoints) pass on the CPU, but
-# a graphs-mode test of int4-g32 did not finish on the GPU: they are refused there unless asked for.
-GPU_CHECKED_SCHEMES = ("int4-g128", "int8", "fp8")
-EXPERIMENTAL_GPU_QUANT = "FUSELAB_EXPERIMENTAL_GPU_QUANT"
-
-
 def _resolve_quantization(value: object, config: ModelConfig, device: torch.device) -> QuantScheme | None:
     scheme = value if isinstance(value, QuantScheme) else parse_quantization(value)
     checkpoint = config.quantization
-    if scheme is not None:
-        unchecked = scheme.name not in GPU_CHECKED_SCHEMES
-    else:
-        unchecked = checkpoint is not None
-    if unchecked and device.type == "cuda" and os.environ.get(EXPERIMENTAL_GPU_QUANT) != "1":
-        what = f"quantization={value!r}" if scheme is not None else f"a {checkpoint.method} checkpoint"
-        raise ValueError(f"{what} is not yet checked on a GPU in this release (see docs/quantization.md): use one of "
-                         f"int4, int8, fp8, or set {EXPERIMENTAL_GPU_QUANT}=1 to try it as it stands")
     if isinstance(value, QuantScheme):
         return value
     if checkpoint is not None:
