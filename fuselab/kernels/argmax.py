@@ -30,9 +30,6 @@ from fuselab.kernels._common.validate import (
     counters_ok,
     float_tensor_ok,
 )
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("argmax")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -81,7 +78,8 @@ def _argmax_kernel(
     # chunks, OUT's allocation goes on with the chunks' indices [rows, n_chunks] (int64), then their
     # maxima (float32); with one, COUNTS is None.
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)

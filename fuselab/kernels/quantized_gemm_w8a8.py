@@ -53,9 +53,6 @@ from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
 from fuselab.kernels.quant_codes import _FORMAT_IDS
 from fuselab.kernels.quant_pack import FP8_MAX, QuantizedWeight
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("quant")
 
 W8A8_FORMATS = ("int8", "fp8")
 FP32_TINY = torch.finfo(torch.float32).tiny  # the scale floor: a normal fp32, so x / s never divides by 0
@@ -140,7 +137,8 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     x_row = X + row * stride_xm
     q_row = XQ + row * KP
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)

@@ -43,8 +43,6 @@ from fuselab.kernels.quant_codes import _PTX
 from fuselab.kernels.quant_pack import BLOCK_WORDS, QuantizedWeight
 from fuselab.kernels.quantized_gemm_w8a8 import quantize_rows
 
-# Experiment: the int8-dot GEMV lets the next kernel launch after its loop rather than after its wait.
-_TRIGGER_LATE = tl.constexpr(__import__("os").environ.get("FUSELAB_PDL_A8_LATE", "") == "1")
 A8_INT4_GROUP = 128  # int4 groups this kernel takes: one group a 16-word block
 A8_INT8_MAX_K = 133143  # int8's int32 sums are exact up to 127² · K < 2^31
 # 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, and its sign bit. Kernel arguments, not
@@ -95,8 +93,7 @@ def _gemv_a8_kernel(
         s = tl.load(s_ptrs + rows[:, None].to(tl.int64) * stride_sn)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x's codes are the kernel before's output
-        if not _TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     x_scale = tl.load(XS)
     if INT4:
         x_even = tl.load(x_ptrs)
@@ -142,9 +139,6 @@ def _gemv_a8_kernel(
                 y += tl.load(B + rows).to(tl.float32)
             tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
         w = w_next
-    if USE_PDL:
-        if _TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 # --------------------------------------------------------------------------------------------

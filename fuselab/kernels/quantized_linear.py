@@ -49,9 +49,6 @@ from fuselab.kernels.quantized_gemv_a8 import launch_gemv_a8, runs_a8
 # --------------------------------------------------------------------------------------------
 
 
-# Experiment: the one-row GEMV lets the next kernel launch after its loop rather than after its wait.
-_TRIGGER_LATE = tl.constexpr(__import__("os").environ.get("FUSELAB_PDL_FP32_LATE", "") == "1")
-
 @triton.jit
 def _gemv_kernel(
     X, Wq, S, B, Y, N, K, n_words, stride_sn, magic, n_tiles,
@@ -79,8 +76,6 @@ def _gemv_kernel(
     w = tl.load(Wq + rows[:, None, None].to(tl.int64) * n_words + offsets)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if not _TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
     for i in range(0, steps):
         nxt = tl.minimum(i + 1, steps - 1)
@@ -120,8 +115,9 @@ def _gemv_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
         w = w_next
     if USE_PDL:
-        if _TRIGGER_LATE:
-            tl.extra.cuda.gdc_launch_dependents()
+        # After the loop, as the bf16 GEMV: the next kernel's programs launched during the stream slowed
+        # the 1B shape's step by 2% (fp8) to 8% (int4) (docs/tuning/decode-step.md, section 19).
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -30,9 +30,6 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     rows_and_vector_ok,
 )
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("norm")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -50,7 +47,8 @@ def _rms_norm_forward_kernel(
     offs = row * n_cols + cols
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel before writes it: read before the wait
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if STORE_RSTD:
@@ -65,7 +63,8 @@ def _rms_norm_forward_looped_kernel(
 ):
     """For rows longer than one block: a pass for the mean square, a second to normalize."""
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)

@@ -36,9 +36,6 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     on_kernel_device,
 )
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("rope")
 
 LAYOUTS = ("rotate_half", "interleaved")
 # Elements of one head tile: heads are walked in blocks of this many values per pair half, which
@@ -153,7 +150,8 @@ def _rope_kernel(
     USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
@@ -212,7 +210,8 @@ def _rope_decode_kernel(
     # instead of 39 (each costs host time in the launcher). IN_PLACE: the rotated q and k overwrite the
     # inputs (the output pointers are not read); each element is loaded and stored by the same thread.
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)

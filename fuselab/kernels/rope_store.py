@@ -43,9 +43,6 @@ from fuselab.kernels.rope import (
     token_rows,
     tokens_apart,
 )
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("rope")
 
 
 @triton.jit
@@ -64,7 +61,8 @@ def _rope_store_kernel(
     # IN_PLACE: the rotated q and k overwrite the inputs (q_out_ptr and k_out_ptr are not read); each
     # element is loaded and stored by the same thread, and a program touches its own token only.
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)

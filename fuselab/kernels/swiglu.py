@@ -23,9 +23,6 @@ from fuselab.kernels._common.validate import (
     like_ok,
     needs_autograd,
 )
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("swiglu")
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -35,7 +32,8 @@ _TRIGGER_FIRST = pdl_trigger_first("swiglu")
 @triton.jit
 def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row, cols = row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -48,7 +46,8 @@ def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.
 def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Separate, contiguous gate and up: one flat int32 index (n < 2³¹), programs in memory order.
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)

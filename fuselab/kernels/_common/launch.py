@@ -24,7 +24,8 @@ from fuselab.device import triton_interpreted
 # graph-captured decode step this hides most of the ramp-up and tail of ~10 short kernels a layer
 # (docs/tuning/common-constants.md). A kernel lets the next one launch (gdc_launch_dependents) right
 # after its own wait, so that the next kernel's programs take the SMs it leaves idle and read their
-# weights during its run; the bf16 GEMV alone triggers after its loop. FUSELAB_PDL=0 turns it off.
+# weights during its run; the one-row GEMVs (bf16 and quantized weights) trigger after their loop.
+# FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
 # Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
 # thread's (and one asyncio task's), never another's.
@@ -127,23 +128,3 @@ def _registers_per_sm(device_index: int) -> int:
 
 # Shared memory the driver keeps for each resident program (1 KiB since sm_80).
 _RESERVED_SHARED_PER_PROGRAM = 1024
-
-
-# Experiment: the kernels of these groups (comma-separated, or "all") let the next kernel launch before their
-# own wait, so that a chain of short kernels launches the projection after it while the kernel before them runs.
-_TRIGGER_FIRST = frozenset(os.environ.get("FUSELAB_PDL_FIRST", "").split(","))
-
-
-def pdl_trigger_first(group: str) -> tl.constexpr:
-    return tl.constexpr(group in _TRIGGER_FIRST or "all" in _TRIGGER_FIRST)
-
-
-@triton.jit
-def pdl_wait(TRIGGER_FIRST: tl.constexpr):
-    """Wait for the kernel before (its output is this one's input) and let the next kernel launch: before
-    the wait when TRIGGER_FIRST, else after it."""
-    if TRIGGER_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.extra.cuda.gdc_wait()
-    if not TRIGGER_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()

@@ -14,9 +14,6 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels.attention.common import tile_dot
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait
-
-_TRIGGER_FIRST = pdl_trigger_first("attn")
 
 
 @triton.jit
@@ -51,7 +48,8 @@ def _decode_merge_kernel(
 ):
     # The merge as a launch of its own (no ticket buffer given): one program a (sequence, head).
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the splits may still be running: wait for their partials
+        tl.extra.cuda.gdc_wait()  # the splits may still be running: wait for their partials
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0)
     _merge_splits(PART_OUT, PART_LSE, OUT, row // num_heads, row % num_heads, num_heads, num_splits, stride_ob,
                   stride_oh, 1, HEAD_DIM, BLOCK_D, SPLITS_PAD)
@@ -118,7 +116,8 @@ def _decode_split(
     # position seq_len - 1, table COS_SIN [cos_sin_rows, 2 · HALF]); the split it falls in writes its key
     # and value into the cache and attends to them from registers, the other splits read only older tokens.
     if USE_PDL:
-        pdl_wait(_TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
     batch = tl.program_id(0)
