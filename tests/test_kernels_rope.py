@@ -8,7 +8,8 @@ from kernel_checks import DTYPES, assert_close, leaf
 
 from fuselab.kernels import reference
 from fuselab.kernels import rope as rope_module
-from fuselab.kernels.rope import apply_rope, rope_cos_sin
+from fuselab.kernels.rope import apply_rope
+from fuselab.kernels.rope_table import rope_cos_sin
 
 LAYOUTS = ("rotate_half", "interleaved")
 MAX_POS = 64

@@ -22,8 +22,9 @@ from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
 from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.linear import linear
 from fuselab.kernels.rms_norm import rms_norm
-from fuselab.kernels.rope import apply_rope, rope_cos_sin
+from fuselab.kernels.rope import apply_rope
 from fuselab.kernels.rope_store import bind_rope_and_store_kv, rope_and_store_kv
+from fuselab.kernels.rope_table import rope_cos_sin
 from fuselab.kernels.softmax import softmax
 from fuselab.kernels.swiglu import silu_and_mul, swiglu
 from fuselab.kernels.quant_pack import QUANT_FORMATS, QuantizedWeight, quantize_weight
