@@ -28,21 +28,10 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     on_kernel_device,
 )
-from fuselab.kernels.rope import cos_sin_at
 from fuselab.kernels.attention.paged_attention import _caches_ok, _check_caches, check_store_inputs, store_inputs_ok
 from fuselab.kernels.rope import (
-    _MANY_TOKENS,
-    _POSITION_DTYPES,
-    LAYOUTS,
-    _check_inputs,
-    _copy_heads,
-    _inputs_ok,
-    _launch_rope,
-    _rope_meta,
-    _rotate_heads,
-    token_rows,
-    tokens_apart,
-)
+    _MANY_TOKENS, _copy_heads, _launch_rope, _rope_meta, _rotate_heads, cos_sin_at, token_rows)
+from fuselab.kernels.rope_checks import _POSITION_DTYPES, LAYOUTS, _check_inputs, _inputs_ok, tokens_apart
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from fuselab.kernels.attention.paged_attention import (
     num_splits,
 )
 from fuselab.kernels.attention.paged_decode_kernels import _decode_merge_kernel
-from fuselab.kernels.rope import LAYOUTS
+from fuselab.kernels.rope_checks import LAYOUTS
 from fuselab.kernels.rope_store import rope_and_store_kv
 
 _Tensor = torch.Tensor
