@@ -6,8 +6,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $r/env.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)" >> $r/env.txt
 ab() { timeout ${T:-200} python3 scripts/experiments/l2-prefetch/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 3 $r/rates.err; }
-ab llama3-8b bf16 1 3 off 34,0,0,0 40,8,8,8 off 20,8,8,8 60,10,10,10 40,8,8,8 off
+T=300 ab llama3-8b bf16 1 3 off 34,0,0,0 40,8,8,8 off 20,8,8,8 60,10,10,10 40,8,8,8 off
 ab llama3-1b bf16 1 3 off 8.4,0,0,0 25,6,6,6 off 12,6,6,6 40,8,8,8 25,6,6,6 off
-ab llama3-8b int4 1 3 off 17,4,4,4 30,6,6,6 off 30,6,6,6
+T=240 ab llama3-8b int4 1 3 off 17,4,4,4 30,6,6,6 off 30,6,6,6
 ab llama3-1b int4 1 3 off 12,4,4,4 off 12,4,4,4
 cat $r/rates.jsonl
