@@ -1,4 +1,5 @@
-# A/B in one start: weights prefetched into L2 on a side stream (ab.py) against the plain decode step.
+# A/B in one start: weights prefetched into L2 on a side stream (ab.py) against the plain decode step; and the short
+# kernels' late triggers (FUSELAB_PDL_LATE=1, a separate Triton cache).
 set -x
 cd "$(dirname "$0")/../../.."
 r=$OUT/l2-run1; mkdir -p $r
@@ -6,8 +7,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $r/env.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)" >> $r/env.txt
 ab() { timeout ${T:-200} python3 scripts/experiments/l2-prefetch/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 3 $r/rates.err; }
-T=300 ab llama3-8b bf16 1 3 off 34,0,0,0 40,8,8,8 off 20,8,8,8 60,10,10,10 40,8,8,8 off
-ab llama3-1b bf16 1 3 off 8.4,0,0,0 25,6,6,6 off 12,6,6,6 40,8,8,8 25,6,6,6 off
-T=240 ab llama3-8b int4 1 3 off 17,4,4,4 30,6,6,6 off 30,6,6,6
+T=200 ab llama3-8b bf16 1 3 off 40,8,8,8 20,8,8,8 off 60,10,10,10 40,8,8,8
+echo late >> $r/rates.jsonl
+FUSELAB_PDL_LATE=1 TRITON_CACHE_DIR=/tmp/tc-late T=150 ab llama3-8b bf16 1 3 off 40,8,8,8 off
+echo early >> $r/rates.jsonl
+ab llama3-1b bf16 1 3 off 8.4,0,0,0 25,6,6,6 off 12,6,6,6 40,8,8,8 25,6,6,6
+T=150 ab llama3-8b int4 1 3 off 17,4,4,4 30,6,6,6 off
 ab llama3-1b int4 1 3 off 12,4,4,4 off 12,4,4,4
 cat $r/rates.jsonl
