@@ -46,10 +46,10 @@ def prefetch_l2(tensor: torch.Tensor, start: int = 0, n_bytes: int | None = None
         raise ValueError(f"prefetch_l2: start and n_bytes must be >= 0, got {start} and {n_bytes}")
     n_bytes = total - start if n_bytes is None else min(n_bytes, total - start)
     n_bytes = n_bytes // 16 * 16
-    if n_bytes <= 0 or not prefetch_available(tensor.device):
-        return
     base = tensor.data_ptr() + start
     if base % 16:
         raise ValueError(f"prefetch_l2: the range must start 16-byte aligned, got address offset {base % 16}")
+    if n_bytes <= 0 or not prefetch_available(tensor.device):
+        return
     grid = (cdiv(n_bytes, CHUNK * THREADS),)
     _l2_prefetch_kernel[grid](base, n_bytes, CHUNK=CHUNK, THREADS=THREADS, num_warps=THREADS // 32)
