@@ -7,6 +7,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $r/env.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)" >> $r/env.txt
 ab() { timeout ${T:-200} python3 scripts/experiments/l2-prefetch/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 3 $r/rates.err; }
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_l2_prefetch.py > $r/gpu-test.log 2>&1; tail -2 $r/gpu-test.log
 T=200 ab llama3-8b bf16 1 3 off 40,8,8,8 20,8,8,8 off 60,10,10,10 40,8,8,8
 echo late >> $r/rates.jsonl
 FUSELAB_PDL_LATE=1 TRITON_CACHE_DIR=/tmp/tc-late T=150 ab llama3-8b bf16 1 3 off 40,8,8,8 off
