@@ -8,11 +8,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $r/env.t
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)" >> $r/env.txt
 ab() { timeout ${T:-200} python3 scripts/experiments/l2-prefetch/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 3 $r/rates.err; }
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_l2_prefetch.py > $r/gpu-test.log 2>&1; tail -2 $r/gpu-test.log
-T=200 ab llama3-8b bf16 1 3 off 40,8,8,8 20,8,8,8 off 60,10,10,10 40,8,8,8
+T=150 ab llama3-8b bf16 1 3 off 40,8,8,8 20,8,8,8 off 60,10,10,10
+ab llama3-1b bf16 1 3 off 25,6,6,6 12,6,6,6 off 40,8,8,8
+T=150 ab llama3-8b int4 1 3 off 30,6,6,6 off
 echo late >> $r/rates.jsonl
-FUSELAB_PDL_LATE=1 TRITON_CACHE_DIR=/tmp/tc-late T=150 ab llama3-8b bf16 1 3 off 40,8,8,8 off
-echo early >> $r/rates.jsonl
-ab llama3-1b bf16 1 3 off 8.4,0,0,0 25,6,6,6 off 12,6,6,6 40,8,8,8 25,6,6,6
-T=150 ab llama3-8b int4 1 3 off 17,4,4,4 30,6,6,6 off
-ab llama3-1b int4 1 3 off 12,4,4,4 off 12,4,4,4
+FUSELAB_PDL_LATE=1 TRITON_CACHE_DIR=/tmp/tc-late T=120 ab llama3-8b bf16 1 3 off 40,8,8,8
 cat $r/rates.jsonl
