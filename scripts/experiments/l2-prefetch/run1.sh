@@ -11,6 +11,4 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_l2_prefe
 T=150 ab llama3-8b bf16 1 3 off 40,8,8,8 20,8,8,8 off 60,10,10,10
 ab llama3-1b bf16 1 3 off 25,6,6,6 12,6,6,6 off 40,8,8,8
 T=150 ab llama3-8b int4 1 3 off 30,6,6,6 off
-echo late >> $r/rates.jsonl
-FUSELAB_PDL_LATE=1 TRITON_CACHE_DIR=/tmp/tc-late T=120 ab llama3-8b bf16 1 3 off 40,8,8,8
 cat $r/rates.jsonl
