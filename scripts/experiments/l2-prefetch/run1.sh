@@ -7,8 +7,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $r/env.txt
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)" >> $r/env.txt
 ab() { timeout ${T:-200} python3 scripts/experiments/l2-prefetch/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 3 $r/rates.err; }
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_l2_prefetch.py > $r/gpu-test.log 2>&1; tail -2 $r/gpu-test.log
+
 T=150 ab llama3-8b bf16 1 3 off 40,8,8,8 off
-T=90 ab llama3-1b bf16 1 3 off 25,6,6,6
+T=90 ab llama3-1b bf16 1 2 off 25,6,6,6
 
 cat $r/rates.jsonl
