@@ -26,6 +26,7 @@ and down_proj's partial sums are all-reduced over the ranks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -128,8 +129,16 @@ FUSED_OPS = Ops(
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
 # the SwiGLU kernel, not gate_up_swiglu (19.7 against 23.6 µs at the 1B shape on an H200).
 # So too for decode attention: without tickets its merge is a second launch, sooner done on the GPU.
+def _graph_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # Experiment switch FUSELAB_GRAPH_GATE_UP=fused: one row's gate/up and SwiGLU as one Triton launch (split-K)
+    # in graphs mode too, where it takes part in dependent launch and cuBLAS does not.
+    if x.shape[0] == 1 and os.environ.get("FUSELAB_GRAPH_GATE_UP") == "fused":
+        return kernels.gate_up_swiglu(x, weight)
+    return kernels.silu_and_mul(kernels.linear(x, weight))
+
+
 GRAPH_OPS = FUSED_OPS._replace(
-    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
+    gate_up_swiglu=_graph_gate_up_swiglu,
     bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
         kc, vc, scale, max_len),
     bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
