@@ -26,7 +26,6 @@ and down_proj's partial sums are all-reduced over the ranks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -129,16 +128,8 @@ FUSED_OPS = Ops(
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
 # the SwiGLU kernel, not gate_up_swiglu (19.7 against 23.6 µs at the 1B shape on an H200).
 # So too for decode attention: without tickets its merge is a second launch, sooner done on the GPU.
-def _graph_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # Experiment switch FUSELAB_GRAPH_GATE_UP=fused: one row's gate/up and SwiGLU as one Triton launch (split-K)
-    # in graphs mode too, where it takes part in dependent launch and cuBLAS does not.
-    if x.shape[0] == 1 and os.environ.get("FUSELAB_GRAPH_GATE_UP") == "fused":
-        return kernels.gate_up_swiglu(x, weight)
-    return kernels.silu_and_mul(kernels.linear(x, weight))
-
-
 GRAPH_OPS = FUSED_OPS._replace(
-    gate_up_swiglu=_graph_gate_up_swiglu,
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w)),
     bind_decode_attention=lambda kc, vc, scale, max_len, counters: kernels.bind_decode_attention(
         kc, vc, scale, max_len),
     bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
@@ -219,12 +210,9 @@ class Attention(nn.Module):
             self.rope_decode_attention = self.ops.bind_rope_decode_attention(
                 self.cos_sin, k_cache, v_cache, self.scale, self.max_model_len, counters)
 
-    def forward(self, x: torch.Tensor, attn: AttentionMetadata, prefetch: Callable[[int], None] | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         ops, tokens = self.ops, x.shape[0]
         qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        if prefetch is not None:
-            prefetch(0)  # during attention: the weights after it (fuselab.engine.weight_prefetch)
         if not attn.is_prefill and self.rope_decode_attention is not None:
             o = self.rope_decode_attention(qkv, attn.block_tables, attn.seq_lens)
             return self._output(o, tokens)
@@ -281,15 +269,9 @@ class MLP(nn.Module):
         self.ops = ops
         self.all_reduce = all_reduce  # tensor-parallel: sums each rank's partial down_proj output in place
 
-    def forward(self, x: torch.Tensor, prefetch: Callable[[int], None] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        if prefetch is None:
-            h = ops.gate_up_swiglu(x, self.gate_up_proj.weight)
-        else:  # two launches, so that down's first weights are asked for while SwiGLU runs
-            gate_up = ops.linear(x, self.gate_up_proj.weight)
-            prefetch(2)
-            h = kernels.silu_and_mul(gate_up)
-        out = ops.linear(h, self.down_proj.weight)
+        out = ops.linear(ops.gate_up_swiglu(x, self.gate_up_proj.weight), self.down_proj.weight)
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -303,23 +285,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype, ops, quant, all_reduce)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        # Set by fuselab.engine.weight_prefetch where a decode step brings weights into L2 ahead of their reads.
-        self.prefetch: Callable[[int], None] | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried beside the layer output, so that each norm adds it in the
         # same pass ((x + residual) is both normalized and kept for the next add).
-        prefetch = None if attn.is_prefill else self.prefetch
         h, residual = self.input_layernorm.add_and_normalize(x, residual)
-        h = self.self_attn.forward(h, attn, prefetch)  # forward, not __call__: see LlamaForCausalLM.forward
-        if prefetch is not None:
-            prefetch(1)
+        h = self.self_attn.forward(h, attn)  # forward, not __call__: see LlamaForCausalLM.forward
         h, residual = self.post_attention_layernorm.add_and_normalize(h, residual)
-        h = self.mlp.forward(h, prefetch)
-        if prefetch is not None:
-            prefetch(3)
-        return h, residual
+        return self.mlp.forward(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

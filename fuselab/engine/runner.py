@@ -19,7 +19,6 @@ from typing import NamedTuple
 import torch
 
 from fuselab.engine.cuda_graphs import DecodeGraphs
-from fuselab.engine.weight_prefetch import WeightPrefetch
 from fuselab.engine.engine_config import EngineConfig
 from fuselab.engine.kv_cache import KVCache, num_blocks_for_memory
 from fuselab.engine.model import AttentionMetadata, LlamaForCausalLM, build_model
@@ -107,7 +106,6 @@ class ModelRunner:
         self._device_inputs = torch.zeros(size, dtype=torch.int32, device=device)
         self._steps = 0
         self.graphs: DecodeGraphs | None = None
-        self.weight_prefetch: WeightPrefetch | None = None
         if cuda_graphs:
             # One logits buffer for every bucket: each graph would otherwise keep its own.
             self._static_logits = torch.zeros(max_num_seqs, model.config.vocab_size,
@@ -195,8 +193,6 @@ class ModelRunner:
             h, residual = self.model(input_ids, attn)
             logits = self.model.compute_logits(h, residual, logits_out)
             greedy = self.model.greedy(logits)
-        if self.weight_prefetch is not None:
-            self.weight_prefetch.join()
         if tokens_out is None:
             return logits, greedy
         return logits, tokens_out.copy_(greedy)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import prepare
-from fuselab.kernels._common.launch import PDL_LATE, cdiv, next_power_of_2, use_pdl
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import (
     check_counters,
     check_float_tensor,
@@ -79,8 +79,7 @@ def _argmax_kernel(
     # maxima (float32); with one, COUNTS is None.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)

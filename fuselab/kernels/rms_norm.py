@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch, prepare
-from fuselab.kernels._common.launch import PDL_LATE, use_pdl
+from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.residual import load_input_row
 from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
@@ -48,14 +48,11 @@ def _rms_norm_forward_kernel(
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel before writes it: read before the wait
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if STORE_RSTD:
         tl.store(RSTD + row, rstd)
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(Y + offs, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -67,8 +64,7 @@ def _rms_norm_forward_looped_kernel(
     """For rows longer than one block: a pass for the mean square, a second to normalize."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
@@ -80,8 +76,6 @@ def _rms_norm_forward_looped_kernel(
     rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
     if STORE_RSTD:
         tl.store(RSTD + row, rstd)
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols

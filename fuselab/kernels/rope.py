@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import launch, prepare
-from fuselab.kernels._common.launch import PDL_LATE, next_power_of_2, use_pdl
+from fuselab.kernels._common.launch import next_power_of_2, use_pdl
 from fuselab.kernels._common.validate import check_flag, needs_autograd
 from fuselab.kernels.rope_checks import _check_inputs, _decode_layout_ok, _inputs_ok, _one_token_apart, tokens_apart
 
@@ -145,8 +145,7 @@ def _rope_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Tokens are numbered batch-major; a 3-D input is one batch of seq_len tokens.
     token = tl.program_id(0).to(tl.int64)
     b = token // seq_len
@@ -206,8 +205,7 @@ def _rope_decode_kernel(
     # inputs (the output pointers are not read); each element is loaded and stored by the same thread.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)

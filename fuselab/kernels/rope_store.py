@@ -20,7 +20,7 @@ import triton.language as tl
 
 from fuselab.kernels._common import indices
 from fuselab.kernels._common.fast_launch import prepare
-from fuselab.kernels._common.launch import PDL_LATE, use_pdl
+from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
     check_flag,
@@ -51,8 +51,7 @@ def _rope_store_kernel(
     # element is loaded and stored by the same thread, and a program touches its own token only.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos, sin = cos_sin_at(cos_sin_ptr, pos, max_pos, 2 * HALF, HALF, BLOCK_HALF)

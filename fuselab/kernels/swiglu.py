@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
-from fuselab.kernels._common.launch import PDL_LATE, cdiv, row_and_columns, row_block_grid, use_pdl
+from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
 from fuselab.kernels._common.validate import (
     check_at_least_1d,
     check_float_tensor,
@@ -33,15 +33,12 @@ from fuselab.kernels._common.validate import (
 def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row, cols = row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + up_offset + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -50,15 +47,12 @@ def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.con
     # Separate, contiguous gate and up: one flat int32 index (n < 2³¹), programs in memory order.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 

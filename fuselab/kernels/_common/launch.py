@@ -27,8 +27,6 @@ from fuselab.device import triton_interpreted
 # weights during its run; the one-row GEMVs (bf16 and quantized weights) trigger after their loop.
 # FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
-# Experiment switch: the short kernels trigger late (before their store, or at exit) as before 65747eb.
-PDL_LATE = tl.constexpr(os.environ.get("FUSELAB_PDL_LATE", "0") == "1")
 # Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
 # thread's (and one asyncio task's), never another's.
 _pdl_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_dependent_launches", default=False)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fuselab.kernels._common.launch import PDL_LATE
 from fuselab.kernels.attention.common import tile_dot
 
 
@@ -50,8 +49,7 @@ def _decode_merge_kernel(
     # The merge as a launch of its own (no ticket buffer given): one program a (sequence, head).
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the splits may still be running: wait for their partials
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0)
     _merge_splits(PART_OUT, PART_LSE, OUT, row // num_heads, row % num_heads, num_heads, num_splits, stride_ob,
                   stride_oh, 1, HEAD_DIM, BLOCK_D, SPLITS_PAD)
@@ -119,8 +117,7 @@ def _decode_split(
     # and value into the cache and attends to them from registers, the other splits read only older tokens.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
-        if not PDL_LATE:
-            tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
     # here on the device, so every split of a long or short sequence gets an even share.
     batch = tl.program_id(0)
@@ -187,8 +184,6 @@ def _decode_split(
         m_i = tl.where(owner, m_new, m_i)
 
     # A split past the sequence's end keeps m_i = -inf, l_i = 0: its lse is -inf and the merge gives it no weight.
-    if USE_PDL and PDL_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     head_ok = offs_g < GROUP
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
