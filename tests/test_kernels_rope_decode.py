@@ -102,44 +102,6 @@ def test_bound_call_takes_one_launch_and_keeps_it(device, many_splits, no_fallba
     assert len(bound._launches) == 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("max_splits", [1, 5])
-def test_early_reads_match_in_float64(device, many_splits, no_fallback, dtype, max_splits):
-    # The first tile of each split read before the wait: splits empty, of the new token alone, past a page's
-    # first slot, and longer than a tile (the loop after the first tile).
-    lengths = [0, 1, 17, 40, 129]
-    qkv, cos_sin, k_cache, v_cache, block_tables, seq_lens = _case(device, lengths, dtype=dtype, seed=3)
-    expected, k_expected, v_expected = _reference(qkv, cos_sin, k_cache, v_cache, block_tables, seq_lens, 8, 0.3)
-    bound = bind_rope_decode_attention(cos_sin, k_cache, v_cache, 0.3, max_seq_len=256, max_splits=max_splits,
-                                       early_reads=1)
-    out = bound(qkv, block_tables, seq_lens)
-    assert_close(out, expected, dtype, scale=4.0)
-    assert_close(k_cache, k_expected, dtype)
-    assert torch.equal(v_cache.double(), v_expected)
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-
-
-def test_early_reads_must_be_a_mode(device):
-    _, cos_sin, k_cache, v_cache, _, _ = _case(device, [3])
-    with pytest.raises(ValueError, match="early_reads"):
-        bind_rope_decode_attention(cos_sin, k_cache, v_cache, early_reads=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run scripts/gpu-check on a GPU machine)")
-@pytest.mark.parametrize("early_reads", [1, 2])
-def test_early_reads_on_the_gpu_match_waiting_first(early_reads):
-    device = torch.device("cuda")
-    lengths = [0, 1, 17, 40, 129, 300]
-    case = _case(device, lengths, dtype=torch.bfloat16, head_dim=128, seed=4)
-    qkv, cos_sin, k_cache, v_cache, block_tables, seq_lens = case
-    k_two, v_two = k_cache.clone(), v_cache.clone()
-    plain = bind_rope_decode_attention(cos_sin, k_two, v_two, max_seq_len=512)
-    early = bind_rope_decode_attention(cos_sin, k_cache, v_cache, max_seq_len=512, early_reads=early_reads)
-    assert_close(early(qkv, block_tables, seq_lens), plain(qkv, block_tables, seq_lens).double(), torch.bfloat16)
-    assert torch.equal(k_cache, k_two) and torch.equal(v_cache, v_two)
-
-
 @pytest.mark.parametrize("layout", ["interleaved", "rotate_half"])
 def test_other_layouts_take_the_two_ops(device, short_splits, layout):
     # Interleaved pairs, a rotary dim short of the head, a strided qkv: the same results through the two ops.

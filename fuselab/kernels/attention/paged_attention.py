@@ -152,14 +152,12 @@ def _decode_meta(group: int, head_dim: int, page_size: int, dtype: torch.dtype, 
 @functools.cache
 def _dense_decode_launcher(group: int, head_dim: int, page_size: int, dtype: torch.dtype, splits: int,
                            cfg: DecodeConfig, pdl: bool, merge_here: bool = True,
-                           rope_half: int = 0, early_reads: int = 0) -> Callable[..., None]:
+                           rope_half: int = 0) -> Callable[..., None]:
     """_dense_decode_kernel with its compile-time arguments and launch options, once per shape and config;
     several splits merge in the launch unless merge_here is False (the merge kernel's, then). rope_half > 0:
-    the new-token kernel (rope_decode_attention), its RoPE pairs that far apart; early_reads: its context
-    read before the wait for the kernel before."""
+    the new-token kernel (rope_decode_attention), its RoPE pairs that far apart."""
     meta = _decode_meta(group, head_dim, page_size, dtype, splits, cfg, pdl, merge_here and splits > 1)
-    return prepare(_dense_decode_kernel, NEW_TOKEN=rope_half > 0, HALF=max(1, rope_half),
-                   EARLY_READS=early_reads if rope_half > 0 else 0, ROW_BYTES=head_dim * dtype.itemsize, **meta)
+    return prepare(_dense_decode_kernel, NEW_TOKEN=rope_half > 0, HALF=max(1, rope_half), **meta)
 
 
 def decode_launch(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, counters=None) -> torch.Tensor:

@@ -56,55 +56,6 @@ def _decode_merge_kernel(
 
 
 @triton.jit
-def _cache_tile(table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot, tokens,
-                token_ok, num_blocks, offs_d, d_ok, PAGE_SIZE: tl.constexpr):
-    # One tile of cached keys (transposed) and values; a block id outside the cache reads as zeros.
-    pages = tl.load(table + tokens // PAGE_SIZE, mask=token_ok, other=0).to(tl.int64)
-    kv_ok = token_ok & (pages >= 0) & (pages < num_blocks)
-    in_page = tokens % PAGE_SIZE
-    kT = tl.load(K_head + (pages * stride_kc_block + in_page * stride_kc_slot)[None, :] + offs_d[:, None],
-                 mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(V_head + (pages * stride_vc_block + in_page * stride_vc_slot)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-    return kT, v, token_ok
-
-
-@triton.jit
-def _prefetch_tile(table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot, tokens, hi,
-                   num_blocks, ROW_BYTES: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    # One tile of cached keys and values asked for in L2 (a bulk prefetch a token's head row), nothing loaded.
-    token_ok = tokens < hi
-    pages = tl.load(table + tokens // PAGE_SIZE, mask=token_ok, other=0).to(tl.int64)
-    ok = token_ok & (pages >= 0) & (pages < num_blocks)
-    pages = tl.where(ok, pages, 0)
-    in_page = tokens % PAGE_SIZE
-    size = tl.where(ok, ROW_BYTES, 0)
-    _prefetch_rows(K_head + pages * stride_kc_block + in_page * stride_kc_slot, size)
-    _prefetch_rows(V_head + pages * stride_vc_block + in_page * stride_vc_slot, size)
-
-
-@triton.jit
-def _prefetch_rows(ptrs, size):
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _attend_tile(q, kT, v, token_ok, qk_scale, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    # The online softmax's step over one tile already loaded; a tile of no tokens leaves the state as it was.
-    qk = tile_dot(q, kT, None, DOT_PRECISION) * qk_scale
-    qk = tl.where(token_ok[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_ref[:, None])
-    alpha = tl.math.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tile_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _attend(q, table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot, lo, hi,
             num_blocks, qk_scale, m_i, l_i, acc, offs_d, d_ok,
             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -135,21 +86,15 @@ def _attend(q, table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc
 
 
 @triton.jit
-def _rope_row(cos_sin_row, offs_d, HALF: tl.constexpr):
-    # A position's cos and sin along a head (rotate-half pairs (d, d + HALF)), the table row's cos then sin.
-    pair = tl.where(offs_d < HALF, offs_d, offs_d - HALF)
+def _rotated(x_ptr, offs_d, mask, cos_sin_row, HALF: tl.constexpr):
+    # RoPE of head vectors along their last axis, rotate-half pairs (d, d + HALF) over the whole head:
+    # x · cos + partner · ±sin in fp32, with the table row's cos then sin (HALF each), as rope.py's.
+    first = offs_d < HALF
+    pair = tl.where(first, offs_d, offs_d - HALF)
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     d_ok = offs_d < 2 * HALF
     cos = tl.load(cos_sin_row + pair, mask=d_ok, other=1.0).to(tl.float32)
     sin = tl.load(cos_sin_row + HALF + pair, mask=d_ok, other=0.0).to(tl.float32)
-    return cos, sin
-
-
-@triton.jit
-def _rotated(x_ptr, offs_d, mask, cos, sin, HALF: tl.constexpr):
-    # RoPE of head vectors along their last axis, rotate-half pairs over the whole head: x · cos + partner
-    # · ±sin in fp32, as rope.py's.
-    first = offs_d < HALF
-    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
     x = tl.load(x_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
     return tl.where(first, x * cos - x_partner * sin, x * cos + x_partner * sin)
@@ -164,16 +109,13 @@ def _decode_split(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
-    NEW_TOKEN: tl.constexpr = False, HALF: tl.constexpr = 1, EARLY_READS: tl.constexpr = 0,
-    ROW_BYTES: tl.constexpr = 0,
+    NEW_TOKEN: tl.constexpr = False, HALF: tl.constexpr = 1,
 ):
     # NEW_TOKEN: Q is a row of the step's qkv projection, [heads, kv heads, kv heads] head vectors: the
     # context's last token (seq_len - 1) is not in the cache yet. Its query and key are rotated (RoPE at
     # position seq_len - 1, table COS_SIN [cos_sin_rows, 2 · HALF]); the split it falls in writes its key
     # and value into the cache and attends to them from registers, the other splits read only older tokens.
-    # EARLY_READS (with NEW_TOKEN): the lengths, tables, RoPE row and the split's first tile of the cache
-    # are read before the wait, as the kernel before (the projection) writes none of them.
-    if USE_PDL and not EARLY_READS:
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
         tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     # Grid: (batch, kv_heads, splits). The split length follows this sequence's own length, read
@@ -199,38 +141,21 @@ def _decode_split(
     table = BLOCK_TABLES + batch.to(tl.int64) * stride_table
     K_head = K_CACHE + kv_head.to(tl.int64) * stride_kc_head
     V_head = V_CACHE + kv_head.to(tl.int64) * stride_vc_head
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     if NEW_TOKEN:
         last = seq_len - 1
         # An empty sequence (last = -1) attends to nothing: its query is rotated at position 0, unused.
         in_table = last < cos_sin_rows
-        cos, sin = _rope_row(COS_SIN + tl.where(in_table, tl.maximum(last, 0), 0).to(tl.int64) * (2 * HALF), offs_d,
-                             HALF)
+        cos_sin_row = COS_SIN + tl.where(in_table, tl.maximum(last, 0), 0).to(tl.int64) * (2 * HALF)
+        q = _rotated(q_ptrs, offs_d[None, :], q_mask, cos_sin_row, HALF)
+        q = tl.where(in_table, q, float("nan")).to(Q.dtype.element_ty)  # a position outside the table shows
         owner = (last >= lo) & (last < hi)
         hi = tl.where(owner, last, hi)  # the cache holds the tokens before the new one
-        page = tl.load(table + tl.maximum(last, 0) // PAGE_SIZE).to(tl.int64)
-        if EARLY_READS == 1:
-            tokens = lo + tl.arange(0, BLOCK_N)
-            first_ok = tokens < hi
-            kT, v, first_ok = _cache_tile(table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block,
-                                          stride_vc_slot, tokens, first_ok, num_blocks, offs_d, d_ok, PAGE_SIZE)
-        if EARLY_READS == 2:
-            _prefetch_tile(table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block, stride_vc_slot,
-                           lo + tl.arange(0, BLOCK_N), hi, num_blocks, ROW_BYTES, PAGE_SIZE)
-        if EARLY_READS:
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()  # the projection may still be running: wait for the new token's q/k/v
-                tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
-        q = _rotated(q_ptrs, offs_d[None, :], q_mask, cos[None, :], sin[None, :], HALF)
-        q = tl.where(in_table, q, float("nan")).to(Q.dtype.element_ty)  # a position outside the table shows
-        if EARLY_READS == 1:
-            m_i, l_i, acc = _attend_tile(q, kT, v, first_ok, qk_scale, m_i, l_i, acc, DOT_PRECISION)
-            lo += BLOCK_N
     else:
         q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
 
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], dtype=tl.float32)
     m_i, l_i, acc = _attend(q, table, K_head, V_head, stride_kc_block, stride_kc_slot, stride_vc_block,
                             stride_vc_slot, lo, hi, num_blocks, qk_scale, m_i, l_i, acc, offs_d, d_ok,
                             PAGE_SIZE, BLOCK_N, DOT_PRECISION)
@@ -240,8 +165,9 @@ def _decode_split(
         # position seq_len - 1 (nothing stored outside the cache), and attended as one more key.
         k_row = Q + batch.to(tl.int64) * stride_qb + (num_heads + kv_head) * HEAD_DIM
         v_row = k_row + tl.num_programs(1) * HEAD_DIM
-        k_new = _rotated(k_row, offs_d, d_ok, cos, sin, HALF).to(K_CACHE.dtype.element_ty)
+        k_new = _rotated(k_row, offs_d, d_ok, cos_sin_row, HALF).to(K_CACHE.dtype.element_ty)
         v_new = tl.load(v_row + offs_d, mask=d_ok, other=0.0)
+        page = tl.load(table + tl.maximum(last, 0) // PAGE_SIZE).to(tl.int64)
         stored = owner & (page >= 0) & (page < num_blocks)
         store_ok = offs_d < tl.where(stored, HEAD_DIM, 0)
         page = tl.where(stored, page, 0)
@@ -309,7 +235,7 @@ def _dense_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ONE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, USE_PDL: tl.constexpr,
-    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr, EARLY_READS: tl.constexpr, ROW_BYTES: tl.constexpr,
+    NEW_TOKEN: tl.constexpr, HALF: tl.constexpr,
 ):
     # _decode_kernel for dense q and out [batch, heads, head_dim], caches [blocks, PAGE_SIZE, kv_heads,
     # head_dim] and block tables [batch, table_tokens / PAGE_SIZE]. With several splits, OUT's allocation
@@ -327,5 +253,5 @@ def _dense_decode_kernel(
         COS_SIN, q_row, HEAD_DIM, PAGE_SIZE * slot, slot, HEAD_DIM, PAGE_SIZE * slot, slot, HEAD_DIM,
         table_tokens // PAGE_SIZE, row, HEAD_DIM, num_splits, qk_scale, num_blocks, table_tokens, cos_sin_rows,
         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, DOT_PRECISION, SPLITS_PAD, ONE_SPLIT, MERGE_HERE,
-        USE_PDL, NEW_TOKEN, HALF, EARLY_READS, ROW_BYTES,
+        USE_PDL, NEW_TOKEN, HALF,
     )

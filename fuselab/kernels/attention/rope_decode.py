@@ -122,8 +122,7 @@ class BoundRopeDecodeAttention:
     `bind_rope_decode_attention` (or by the function, for one call)."""
 
     def __init__(self, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float | None,
-                 max_seq_len: int | None, max_splits: int, layout: str, counters: torch.Tensor | None,
-                 early_reads: int = 0) -> None:
+                 max_seq_len: int | None, max_splits: int, layout: str, counters: torch.Tensor | None) -> None:
         if not _caches_ok(k_cache, v_cache):
             _check_caches(k_cache, v_cache)
         head_dim = k_cache.shape[3]
@@ -137,10 +136,7 @@ class BoundRopeDecodeAttention:
             check_int("max_seq_len", max_seq_len, minimum=0)
         if counters is not None and not counters_ok(counters, 0, k_cache.device):
             check_counters(counters, 0, k_cache.device)
-        if early_reads not in (0, 1, 2):
-            raise ValueError(f"early_reads must be 0, 1 or 2, got {early_reads!r}")
         self.cos_sin, self.k_cache, self.v_cache, self.counters = cos_sin, k_cache, v_cache, counters
-        self.early_reads = early_reads
         self.scale, self.max_seq_len, self.max_splits, self.layout = (resolve_scale(scale, head_dim), max_seq_len,
                                                                      max_splits, layout)
         self._scale_log2 = self.scale * LOG2E
@@ -226,7 +222,7 @@ class BoundRopeDecodeAttention:
             check_counters(self.counters, batch * kv_heads, self._device)
         buffer = dense_buffer_elements(batch, heads, head_dim, splits, qkv.dtype) if splits > 1 else 0
         launcher = _dense_decode_launcher(heads // kv_heads, head_dim, block_size, qkv.dtype, splits,
-                                          decode_config(head_dim), pdl, merges, head_dim // 2, self.early_reads)
+                                          decode_config(head_dim), pdl, merges, head_dim // 2)
         return _Launch((batch, kv_heads, splits), heads, launcher, buffer, merges, table_capacity)
 
 
@@ -240,17 +236,11 @@ def bind_rope_decode_attention(
     layout: str = "rotate_half",
     *,
     counters: torch.Tensor | None = None,
-    early_reads: int = 0,
 ) -> BoundRopeDecodeAttention:
     """`rope_decode_attention` with one layer's table, caches, scale, limits and tickets fixed and checked
     now: `bound(qkv, block_tables, seq_lens)` (an engine's decode step calls it once a layer). The bound
-    tensors must keep their shape, dtype and device while it is used.
-
-    early_reads: under dependent launch, read the lengths, block tables, RoPE table and the first tile of
-    the cache before waiting for the kernel before, so that those reads overlap its end. Only where that
-    kernel writes none of them and only qkv (a decode step's q/k/v projection); off, the kernel waits first."""
-    return BoundRopeDecodeAttention(cos_sin, k_cache, v_cache, scale, max_seq_len, max_splits, layout, counters,
-                                    early_reads)
+    tensors must keep their shape, dtype and device while it is used."""
+    return BoundRopeDecodeAttention(cos_sin, k_cache, v_cache, scale, max_seq_len, max_splits, layout, counters)
 
 
 def rope_decode_attention(
