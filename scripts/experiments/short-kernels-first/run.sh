@@ -7,9 +7,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $r/env.t
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)" >> $r/env.txt
 ab() { [ $(( $(date +%s) - S + T )) -lt ${LIMIT:-420} ] || { echo "skip $*"; return; }
   timeout $T python3 scripts/experiments/short-kernels-first/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 1 $r/rates.err; }
-timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_launch.py > $r/gpu-test.log 2>&1; tail -1 $r/gpu-test.log
-T=60 ab llama3-1b bf16 1 3 after first after first
-T=80 ab llama3-8b bf16 1 3 after first after first
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_launch.py > $r/gpu-test.log 2>&1; tail -1 $r/gpu-test.log
+T=70 ab llama3-1b bf16 1 3 after first after first
+T=90 ab llama3-8b bf16 1 3 after first after first
 T=90 ab llama3-1b int4 1 3 after first after first
 T=90 ab llama3-8b bf16 64 2 after first after first
 T=80 ab llama3-8b int4 1 3 after first
