@@ -52,20 +52,6 @@ def test_dependent_launches_is_scoped_and_cpu_never_uses_it():
     assert not _launch._pdl_scope.get()
 
 
-def test_short_kernels_first_is_scoped_and_needs_dependent_launch():
-    assert not _launch.pdl_trigger_first(True)  # outside any scope
-    with dependent_launches(short_kernels_first=True):
-        assert _launch.pdl_trigger_first(True)
-        assert not _launch.pdl_trigger_first(False)  # a launch without dependent launch has no trigger
-        with dependent_launches():
-            assert not _launch.pdl_trigger_first(True)
-        assert _launch.pdl_trigger_first(True)
-    assert not _launch.pdl_trigger_first(True)
-    with pytest.raises(TypeError, match="short_kernels_first"):
-        with dependent_launches(short_kernels_first="yes"):
-            pass
-
-
 def test_dependent_launches_hold_for_their_own_thread_only():
     seen = []
     with dependent_launches():
@@ -84,8 +70,7 @@ def _decode_like_chain(x, residual, norm_weight, w_gate_up, w_down):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("short_kernels_first", [False, True])
-def test_dependent_launches_give_the_same_results_in_a_cuda_graph(short_kernels_first):
+def test_dependent_launches_give_the_same_results_in_a_cuda_graph():
     """Kernels that may start before the kernel before them ends still read only its finished output."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -95,7 +80,7 @@ def test_dependent_launches_give_the_same_results_in_a_cuda_graph(short_kernels_
             torch.randn(2 * 2816, 2048, device=dev, dtype=torch.bfloat16) * 0.02,
             torch.randn(2048, 2816, device=dev, dtype=torch.bfloat16) * 0.02)
     expected = _decode_like_chain(*args)
-    with dependent_launches(short_kernels_first):
+    with dependent_launches():
         assert use_pdl(dev) == (torch.cuda.get_device_capability(dev)[0] >= 9)
         _decode_like_chain(*args)  # compiles the PDL variants outside the capture
         graph = torch.cuda.CUDAGraph()

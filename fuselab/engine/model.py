@@ -317,7 +317,6 @@ class LlamaForCausalLM(nn.Module):
         self.model.layers = nn.ModuleList(DecoderLayer(config, dtype, ops, cos_sin, max_model_len, quant, all_reduce)
                                           for _ in range(config.num_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
-        self.quantized = quant is not None
         head_quant = quant if quant is not None and quant.quantize_head else None
         # Tied, the logits read the embedding, whose lookups need its rows: it stays row-major.
         if head_quant is None and config.tie_word_embeddings:

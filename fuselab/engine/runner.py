@@ -105,10 +105,6 @@ class ModelRunner:
         self._staged = [None, None]  # the copy each host buffer last fed, as an event
         self._device_inputs = torch.zeros(size, dtype=torch.int32, device=device)
         self._steps = 0
-        # The short kernels let the projection after them launch before their own wait where the
-        # projections trigger after their loop (bf16); the quantized int8-dot GEMVs trigger at their
-        # start, and a chain launched early shares the SMs with them (docs/tuning/decode-step.md, 22).
-        self.short_kernels_first = not model.quantized
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs:
             # One logits buffer for every bucket: each graph would otherwise keep its own.
@@ -193,7 +189,7 @@ class ModelRunner:
         input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
         attn = AttentionMetadata(is_prefill=False, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
-        with dependent_launches(self.short_kernels_first):  # no kernel of a decode step writes a weight
+        with dependent_launches():  # no kernel of a decode step writes a weight
             h, residual = self.model(input_ids, attn)
             logits = self.model.compute_logits(h, residual, logits_out)
             greedy = self.model.greedy(logits)

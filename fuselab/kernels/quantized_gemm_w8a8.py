@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
-from fuselab.kernels._common.launch import cdiv, next_power_of_2, pdl_trigger_first, pdl_wait, sm_count, use_pdl
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_pdl
 from fuselab.kernels._common.split_k import reduce_splits, tile_counters
 from fuselab.kernels._common.tiles import clamped_rows
 from fuselab.kernels._common.validate import INTERPRETED
@@ -122,7 +122,7 @@ def _row_codes(x, scale, FORMAT: tl.constexpr, EXACT: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
                           ONE_BLOCK: tl.constexpr, EXACT: tl.constexpr, INT4_ORDER: tl.constexpr,
-                          USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False):
+                          USE_PDL: tl.constexpr):
     # A program a row. Output column b of a 64-column block holds element 16·(b % 4) + (b % 64) // 4 of
     # it (the 8-bit weight's byte order), so each block is gathered from the same 64 elements of x.
     # INT4_ORDER (int8 codes for an int4 weight, quantized_gemv_a8): column b of a 128-column block is
@@ -137,7 +137,8 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     x_row = X + row * stride_xm
     q_row = XQ + row * KP
     if USE_PDL:
-        pdl_wait(TRIGGER_FIRST)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)
@@ -276,7 +277,7 @@ def quantize_rows(x2: torch.Tensor, kp: int, fmt: str) -> tuple[torch.Tensor, to
     pdl = use_pdl(x2.device)
     launch(_quantize_rows_kernel, (m,), x2, codes, scales, k, kp, x2.stride(0),
            FORMAT=_FORMAT_IDS["fp8" if fmt == "fp8" else "int8"], BLOCK=block, ONE_BLOCK=block >= kp,
-           EXACT=INTERPRETED, INT4_ORDER=fmt == "int4", USE_PDL=pdl, TRIGGER_FIRST=pdl_trigger_first(pdl),
+           EXACT=INTERPRETED, INT4_ORDER=fmt == "int4", USE_PDL=pdl,
            num_warps=max(1, min(16, block // 1024)), num_stages=1, launch_pdl=pdl)
     return codes, scales
 

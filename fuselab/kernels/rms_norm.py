@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch, prepare
-from fuselab.kernels._common.launch import pdl_trigger_first, pdl_wait, use_pdl
+from fuselab.kernels._common.launch import use_pdl
 from fuselab.kernels._common.partials import new_partials, sum_partials
 from fuselab.kernels._common.residual import load_input_row
 from fuselab.kernels._common.row_config import MAX_FUSED_BLOCK, row_config, row_groups, row_loop_stages
@@ -39,7 +39,7 @@ from fuselab.kernels._common.validate import (
 @triton.jit
 def _rms_norm_forward_kernel(
     X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -47,7 +47,8 @@ def _rms_norm_forward_kernel(
     offs = row * n_cols + cols
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # no kernel before writes it: read before the wait
     if USE_PDL:
-        pdl_wait(TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     x = load_input_row(X, R, H, offs, mask, HAS_RESIDUAL, True)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     if STORE_RSTD:
@@ -58,11 +59,12 @@ def _rms_norm_forward_kernel(
 @triton.jit
 def _rms_norm_forward_looped_kernel(
     X, R, W, Y, H, RSTD, n_cols, eps, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     """For rows longer than one block: a pass for the mean square, a second to normalize."""
     if USE_PDL:
-        pdl_wait(TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols
     sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
@@ -169,9 +171,7 @@ def rms_norm_forward(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device) if save_rstd else None
     if n_rows == 0:  # no elements
         return y, h, rstd
-    pdl = use_pdl(x.device)
-    launcher = _forward_launcher(n_cols, MAX_FUSED_BLOCK, residual is not None, save_rstd, pdl,
-                                 pdl_trigger_first(pdl))
+    launcher = _forward_launcher(n_cols, MAX_FUSED_BLOCK, residual is not None, save_rstd, use_pdl(x.device))
     # Unused pointer slots are None, which the launcher passes cheaper than a tensor: the branch that
     # would read them is compiled out, and the flags that say so are in the launcher's key.
     launcher((n_rows,), x, residual, weight, y, h, rstd, n_cols, eps)
@@ -179,14 +179,14 @@ def rms_norm_forward(
 
 
 @functools.cache
-def _forward_launcher(n_cols: int, max_block: int, has_residual: bool, save_rstd: bool, pdl: bool,
-                      trigger_first: bool = False) -> Callable[..., None]:
+def _forward_launcher(n_cols: int, max_block: int, has_residual: bool, save_rstd: bool,
+                      pdl: bool) -> Callable[..., None]:
     """The forward kernel for rows of n_cols with its compile-time arguments and launch options, once per
     width and flags."""
     config = row_config(n_cols, max_block)
     kernel = _rms_norm_forward_looped_kernel if config.looped else _rms_norm_forward_kernel
     return prepare(kernel, HAS_RESIDUAL=has_residual, STORE_RSTD=save_rstd, BLOCK=config.block, USE_PDL=pdl,
-                   TRIGGER_FIRST=trigger_first, num_warps=config.num_warps, launch_pdl=pdl)
+                   num_warps=config.num_warps, launch_pdl=pdl)
 
 
 def rms_norm_backward(

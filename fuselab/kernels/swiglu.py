@@ -13,14 +13,7 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
-from fuselab.kernels._common.launch import (
-    cdiv,
-    pdl_trigger_first,
-    pdl_wait,
-    row_and_columns,
-    row_block_grid,
-    use_pdl,
-)
+from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
 from fuselab.kernels._common.validate import (
     check_at_least_1d,
     check_float_tensor,
@@ -37,10 +30,10 @@ from fuselab.kernels._common.validate import (
 
 
 @triton.jit
-def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                           TRIGGER_FIRST: tl.constexpr = False):
+def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     if USE_PDL:
-        pdl_wait(TRIGGER_FIRST)  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     row, cols = row_and_columns(n_cols, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * in_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -50,11 +43,11 @@ def _swiglu_forward_kernel(G, U, Y, n_cols, in_row_stride, up_offset, BLOCK: tl.
 
 
 @triton.jit
-def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                                TRIGGER_FIRST: tl.constexpr = False):
+def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Separate, contiguous gate and up: one flat int32 index (n < 2³¹), programs in memory order.
     if USE_PDL:
-        pdl_wait(TRIGGER_FIRST)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
@@ -118,15 +111,13 @@ def swiglu_forward(
         return out
     n_cols = out.shape[-1]
     pdl = use_pdl(out.device)
-    first = pdl_trigger_first(pdl)
     if _flat(n, in_row_stride, n_cols, up_offset):
         launch(_swiglu_flat_forward_kernel, (cdiv(n, _FLAT_BLOCK),),
-            gate, up, out, n, BLOCK=_FLAT_BLOCK, USE_PDL=pdl, TRIGGER_FIRST=first, num_warps=_NUM_WARPS,
-            launch_pdl=pdl)
+            gate, up, out, n, BLOCK=_FLAT_BLOCK, USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
         return out
     grid, block = row_block_grid(n // n_cols, n_cols, _MAX_BLOCK)
     launch(_swiglu_forward_kernel, grid, gate, up, out, n_cols, in_row_stride, up_offset, BLOCK=block, USE_PDL=pdl,
-           TRIGGER_FIRST=first, num_warps=_NUM_WARPS, launch_pdl=pdl)
+           num_warps=_NUM_WARPS, launch_pdl=pdl)
     return out
 
 

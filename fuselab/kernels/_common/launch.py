@@ -27,10 +27,9 @@ from fuselab.device import triton_interpreted
 # weights during its run; the one-row GEMVs (bf16 and quantized weights) trigger after their loop.
 # FUSELAB_PDL=0 turns it off.
 _PDL_ALLOWED = os.environ.get("FUSELAB_PDL", "1") != "0" and not triton_interpreted()
-# Whether launches now are inside `dependent_launches()`, and whether its short kernels trigger first:
-# context variables, so the scope is one thread's (and one asyncio task's), never another's.
+# Whether launches now are inside `dependent_launches()`: a context variable, so the scope is one
+# thread's (and one asyncio task's), never another's.
 _pdl_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_dependent_launches", default=False)
-_first_scope: contextvars.ContextVar[bool] = contextvars.ContextVar("fuselab_short_kernels_first", default=False)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -66,40 +65,15 @@ def _pdl_on(device_index: int) -> bool:
 
 
 @contextlib.contextmanager
-def dependent_launches(short_kernels_first: bool = False) -> Iterator[None]:
+def dependent_launches() -> Iterator[None]:
     """Kernels launched in this block (on one thread) use programmatic dependent launch where the
     GPU has it. Only for work in which no kernel writes a weight that a later kernel reads (an
-    inference step): a kernel reads its weights before it waits for the kernel before it.
-
-    short_kernels_first: the one-program row kernels (RMSNorm, SwiGLU, the rounding of x for a
-    quantized projection) let the next kernel launch before their own wait rather than after it, so
-    that a projection after them reads its first weights while the projection before them drains.
-    Faster where that projection triggers after its loop (the bf16 GEMV), slower after one that
-    triggers at its start (docs/tuning/decode-step.md, section 22)."""
-    if not isinstance(short_kernels_first, bool):
-        raise TypeError(f"short_kernels_first must be a bool, got {type(short_kernels_first).__name__}")
-    token, first = _pdl_scope.set(True), _first_scope.set(short_kernels_first)
+    inference step): a kernel reads its weights before it waits for the kernel before it."""
+    token = _pdl_scope.set(True)
     try:
         yield
     finally:
-        _first_scope.reset(first)
         _pdl_scope.reset(token)
-
-
-def pdl_trigger_first(pdl: bool) -> bool:
-    """Whether a short row kernel launched now with dependent launch (`pdl`) triggers before its wait."""
-    return pdl and _first_scope.get()
-
-
-@triton.jit
-def pdl_wait(TRIGGER_FIRST: tl.constexpr):
-    """Wait for the kernel before (its output is this one's input) and let the next kernel launch:
-    before the wait when TRIGGER_FIRST, else right after it."""
-    if TRIGGER_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()
-    tl.extra.cuda.gdc_wait()
-    if not TRIGGER_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_allowed() -> bool:
