@@ -60,6 +60,33 @@ def test_greedy_tokens_match_transformers_fused(checkpoints):
     assert [o.token_ids for o in outputs] == expected
 
 
+@pytest.mark.filterwarnings("ignore:mode 'fused' on the CPU")
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "llama2-tied"])
+def test_one_row_decode_with_the_norms_folded_matches_transformers(checkpoints, arch, monkeypatch):
+    # One sequence decodes a row a step: the norms' weights live in q/k/v and gate/up, the residual adds
+    # in the projections' epilogues, and each norm's 1 / rms in the op after it.
+    from fuselab.engine.model import DecoderLayer
+
+    hf_model, path = checkpoints[arch]
+    prompt = _prompts((11,), seed=1)[0]
+    expected = hf_greedy(hf_model, prompt, 6)
+    folded_calls, forward_folded = [], DecoderLayer.forward_folded
+    monkeypatch.setattr(DecoderLayer, "forward_folded", lambda *a: folded_calls.append(1) or forward_folded(*a))
+    llm = LLM(path, mode="fused", dtype="float32", max_model_len=64)
+    layers = llm.model.model.layers
+    assert llm.model.norms_folded and all((layer.input_layernorm.weight == 1).all() for layer in layers)
+    outputs = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
+    assert outputs[0].token_ids == expected
+    assert len(folded_calls) == 5 * len(layers)  # every decode step (the first token is the prefill's)
+
+
+def test_eager_mode_keeps_the_norms_weights(checkpoints):
+    hf_model, path = checkpoints["llama3"]
+    model = LLM(path, mode="eager", dtype="float32").model
+    assert not model.norms_folded
+    assert model.model.layers[0].input_layernorm.weight.equal(hf_model.model.layers[0].input_layernorm.weight)
+
+
 def test_sharded_checkpoint_loads_like_one_file(checkpoints, tmp_path):
     hf_model, _ = checkpoints["qwen2"]
     path = save_checkpoint(hf_model, tmp_path / "sharded", max_shard_size="40KB")

@@ -60,6 +60,11 @@ class Ops(NamedTuple):
     linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
     rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
     gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
+    # A one-row decode step of a model whose norm weights are folded into the projections after them
+    # (LlamaForCausalLM.fold_norms): the residual add in a projection, a norm's 1 / rms in the op after it.
+    linear_add: Callable  # (x, weight, residual) -> x @ weightᵀ + residual
+    rms_linear: Callable  # (x, weight, eps, bias) -> (x / rms(x)) @ weightᵀ + bias
+    rms_silu_and_mul: Callable  # ([gate | up], h, eps) -> silu(gate / rms(h)) · (up / rms(h))
     # The two ops over a layer's KV cache are bound to it once (bind_kv_cache), with its RoPE table, scale,
     # context limit and tickets: a layer's call then passes only the step's tensors.
     bind_rope_and_store_kv: Callable  # (cos_sin, k_cache, v_cache) -> (q, k, v, positions, slot_mapping) -> (q, k)
@@ -102,6 +107,9 @@ EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
     gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
+    linear_add=lambda x, w, residual: reference.linear(x, w, None, residual),
+    rms_linear=reference.rms_linear,
+    rms_silu_and_mul=reference.rms_silu_and_mul,
     bind_rope_and_store_kv=_bind_reference_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     bind_decode_attention=_bind_reference_decode_attention,
@@ -113,6 +121,9 @@ FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
     gate_up_swiglu=_fused_gate_up_swiglu,
+    linear_add=lambda x, w, residual: kernels.linear(x, w, None, residual),  # the add in the GEMV's epilogue
+    rms_linear=kernels.rms_linear,  # x's sum of squares in the GEMV's pass over it
+    rms_silu_and_mul=kernels.rms_silu_and_mul,
     bind_rope_and_store_kv=_bind_fused_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
         q, k, v, cu, max_len, True, scale),
@@ -211,11 +222,18 @@ class Attention(nn.Module):
                 self.cos_sin, k_cache, v_cache, self.scale, self.max_model_len, counters)
 
     def forward(self, x: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        ops, tokens = self.ops, x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        out = self.ops.linear(self.attend(qkv, attn), self.o_proj.weight)
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
+
+    def attend(self, qkv: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Attention's output [T, q_size], before o_proj, from the qkv projection's [T, q_size + 2 · kv_size]."""
+        ops, tokens = self.ops, qkv.shape[0]
         if not attn.is_prefill and self.rope_decode_attention is not None:
             o = self.rope_decode_attention(qkv, attn.block_tables, attn.seq_lens)
-            return self._output(o, tokens)
+            return o.reshape(tokens, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # Views of the merged projection: each head's vector stays contiguous, which every op needs.
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -230,13 +248,7 @@ class Attention(nn.Module):
             o = ops.prefill_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, self.scale)
         else:
             o = self.decode_attention(q, attn.block_tables, attn.seq_lens)
-        return self._output(o, tokens)
-
-    def _output(self, o: torch.Tensor, tokens: int) -> torch.Tensor:
-        out = self.ops.linear(o.reshape(tokens, self.q_size), self.o_proj.weight)
-        if self.all_reduce is not None:
-            self.all_reduce(out)
-        return out
+        return o.reshape(tokens, self.q_size)
 
 
 def in_major_linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
@@ -285,6 +297,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, dtype, ops, quant, all_reduce)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, ops)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,6 +307,18 @@ class DecoderLayer(nn.Module):
         h = self.self_attn.forward(h, attn)  # forward, not __call__: see LlamaForCausalLM.forward
         h, residual = self.post_attention_layernorm.add_and_normalize(h, residual)
         return self.mlp.forward(h), residual
+
+    def forward_folded(self, h: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """The layer for one decode row once its norms' weights are in q/k/v and gate/up (fold_norms): h is
+        the whole residual stream, its adds are the output and down projections' epilogues, and each norm's
+        1 / rms is taken by the op after it (the q/k/v GEMV, the SwiGLU), so no norm runs a kernel of its own.
+        Returns the next residual stream."""
+        ops, attention, mlp = self.ops, self.self_attn, self.mlp
+        qkv = ops.rms_linear(h, attention.qkv_proj.weight, self.input_layernorm.eps, attention.qkv_proj.bias)
+        h = ops.linear_add(attention.attend(qkv, attn), attention.o_proj.weight, h)
+        gate_up = ops.linear(h, mlp.gate_up_proj.weight)
+        x = ops.rms_silu_and_mul(gate_up, h, self.post_attention_layernorm.eps)
+        return ops.linear_add(x, mlp.down_proj.weight, h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -325,6 +350,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = make_linear(config.hidden_size, config.vocab_size, dtype, head_quant, in_major=True)
         self.head_copies_embedding = config.tie_word_embeddings and self.lm_head is not None
         self.argmax_counters: torch.Tensor | None = None  # the greedy argmax's tickets, bound with the cache
+        self.norms_folded = False  # fold_norms sets it: one-row decode steps run DecoderLayer.forward_folded
+
+    @torch.no_grad()
+    def fold_norms(self) -> None:
+        """Fold each layer's two norm weights g into the projections they feed (q/k/v after the input norm,
+        gate/up after the post-attention one): x · diag(g) · Wᵀ = x · (W · diag(g))ᵀ, each weight rounded once
+        to the model's dtype; the norms keep weights of ones. A one-row decode step then runs no norm kernel
+        (DecoderLayer.forward_folded): 2 kernels a layer fewer. For float, unsharded models, after their
+        weights are in."""
+        for layer in self.model.layers:
+            for norm, projection in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                                     (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+                if not isinstance(projection, nn.Linear) or self.tensor_parallel is not None:
+                    raise ValueError("fold_norms needs float projections of an unsharded model")
+                projection.weight.mul_(norm.weight)  # over in_features, in either storage layout
+                norm.weight.fill_(1.0)
+        self.norms_folded = True
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], max_rows: int) -> None:
         """Give each layer its key and value cache, [num_blocks, block_size, kv_heads, head_dim], and the
@@ -339,17 +381,24 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.bind_kv_cache(k_cache, v_cache, attention_counters)
         self.argmax_counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
-    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last layer's output, residual stream), each [T, hidden], for packed input_ids [T]. The
-        final norm is compute_logits', which prefill runs on its last tokens only."""
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last layer's output, residual stream), each [T, hidden], for packed input_ids [T]; a folded
+        one-row decode step returns (the residual stream, None). The final norm is compute_logits', which
+        prefill runs on its last tokens only."""
         h, residual = self.model.embed_tokens(input_ids), None
+        if self.norms_folded and not attn.is_prefill and input_ids.shape[0] == 1:
+            for layer in self.model.layers:
+                h = layer.forward_folded(h, attn)
+            return h, None
         # The layers' forward directly: a module call's hook dispatch costs host time three times a
         # layer, and the eager and fused modes are bound by the host. No hooks are registered here.
         for layer in self.model.layers:
             h, residual = layer.forward(h, residual, attn)
         return h, residual
 
-    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, h: torch.Tensor, residual: torch.Tensor | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
         h = self.model.norm.add_and_normalize(h, residual)[0]
         if isinstance(self.lm_head, QuantizedLinear):

@@ -20,13 +20,13 @@ from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
 from fuselab.kernels.layer_norm import layer_norm
-from fuselab.kernels.linear import linear
+from fuselab.kernels.linear import linear, rms_linear
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.rope import apply_rope
 from fuselab.kernels.rope_store import bind_rope_and_store_kv, rope_and_store_kv
 from fuselab.kernels.rope_table import rope_cos_sin
 from fuselab.kernels.softmax import softmax
-from fuselab.kernels.swiglu import silu_and_mul, swiglu
+from fuselab.kernels.swiglu import rms_silu_and_mul, silu_and_mul, swiglu
 from fuselab.kernels.quant_pack import QUANT_FORMATS, QuantizedWeight, quantize_weight
 from fuselab.kernels.quantized_linear import quantized_linear
 
@@ -51,7 +51,9 @@ __all__ = [
     "linear",
     "quantize_weight",
     "quantized_linear",
+    "rms_linear",
     "rms_norm",
+    "rms_silu_and_mul",
     "rope_and_store_kv",
     "rope_decode_attention",
     "rope_cos_sin",

@@ -1,4 +1,5 @@
-"""y = x · Wᵀ (+ b): a Triton GEMV for one row, cuBLAS for the rest.
+"""y = x · Wᵀ (+ b): a Triton GEMV for one row, cuBLAS for the rest; with the residual add after it, or the
+RMSNorm before it (its weight folded into W), in the GEMV's own pass at one row.
 
 At batch 1 a projection is a matrix-vector product whose cost is one read of W. cuBLAS's batch-1
 kernels give each program 64 or more rows of W, so a matrix with fewer than ~64 × (SM count)
@@ -23,6 +24,7 @@ from fuselab.kernels._common.launch import cdiv, next_power_of_2, sm_count, use_
 from fuselab.kernels._common.validate import (
     FLOAT_DTYPES,
     INTERPRETED,
+    check_eps,
     check_float_tensor,
     contiguous,
     needs_autograd,
@@ -36,9 +38,9 @@ from fuselab.kernels._common.validate import (
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, Y, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    X, W, B, R, Y, N, K, stride_wn, eps,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -50,26 +52,37 @@ def _gemv_kernel(
     w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output (x)
-    x = tl.load(X + ks, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(R + rows, mask=row_ok, other=0.0)  # requested now, used after the loop
+    x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc = w.to(tl.float32) * x[None, :]
+    if RMS_SCALE:
+        sq = x * x  # x's sum of squares, in the same pass: the norm's factor without a pass of its own
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         if EVEN_K:
-            x = tl.load(X + k0 + ks)
+            x = tl.load(X + k0 + ks).to(tl.float32)
             w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
         else:
             k_ok = k0 + ks < K
-            x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
+            x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * x[None, :]
+        if RMS_SCALE:
+            sq += x * x
     if USE_PDL:
         # After the loop, not after the wait as the step's other kernels: this GEMV streams W at the copy
         # rate, and the next kernel launched during its run slowed the step (docs/tuning/decode-step.md).
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
+    if RMS_SCALE:
+        y *= tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # Rounded before the add, as a separate add after the projection would see it.
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
@@ -104,23 +117,28 @@ def gemv_blocks(k: int) -> tuple[int, int]:
     return (1 if block_k > 2048 else 2), block_k
 
 
-def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride."""
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None = None, rms_eps: float | None = None) -> torch.Tensor:
+    """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride;
+    `residual` [..., N] is added to the rounded y, and with `rms_eps` y is scaled by 1 / rms(x)."""
     n, k = weight.shape
     x_shape = x.shape
     y = x.new_empty(*x_shape[:-1], n)  # x's dtype and device
-    grid, launcher = _gemv_launcher(n, k, bias is not None, use_pdl(x.device))
-    launcher(grid, x, weight, bias, y, n, k, weight.stride()[0])  # no bias: None, compiled out with HAS_BIAS
+    grid, launcher = _gemv_launcher(n, k, bias is not None, residual is not None, rms_eps is not None,
+                                    use_pdl(x.device))
+    # Unused slots are None (no bias, no residual) or 0.0 (eps), compiled out by the flags.
+    launcher(grid, x, weight, bias, residual, y, n, k, weight.stride()[0], 0.0 if rms_eps is None else rms_eps)
     return y
 
 
 @functools.cache
-def _gemv_launcher(n: int, k: int, has_bias: bool, pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
+def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale: bool,
+                   pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
     """(grid, the kernel with its compile-time arguments and launch options) for a weight [n, k], once per shape."""
     block_n, block_k = gemv_blocks(k)
     return (cdiv(n, block_n),), prepare(
-        _gemv_kernel, HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl,
-        num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
+        _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,20 +181,61 @@ def _inputs_ok(x: object, weight: object, bias: object) -> bool:
             and (bias is None or (bias.dtype is dtype and bias.shape == w_shape[:1] and bias.device == device)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N].
+def _check_residual(residual: object, x: torch.Tensor, weight: torch.Tensor) -> None:
+    check_float_tensor("residual", residual)
+    shape = (*x.shape[:-1], weight.shape[0])
+    if residual.shape != shape:
+        raise ValueError(f"residual must have the output's shape {shape}, got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype or residual.device != x.device:
+        raise TypeError(f"residual must be {x.dtype} on {x.device} like x, got {residual.dtype} on {residual.device}")
 
-    A single row (a batch-1 decode step) with N below 64 × the GPU's SM count runs the Triton GEMV;
-    everything else, any input that needs a gradient, and a weight whose rows are not contiguous
-    (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
+
+def _runs_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    w_shape, numel = weight.shape, x.numel()
+    return (numel != 0 and 0 not in w_shape and weight.stride()[1] == 1 and numel == x.shape[-1]
+            and _few_rows_for_cublas(w_shape[0], x.device) and not needs_autograd(x, weight, bias))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch.nn.functional.linear(x, weight, bias)` for inference: x [..., K], weight [N, K], bias [N];
+    with `residual` [..., N], `linear(x, weight, bias) + residual` (the pre-norm layer's residual add),
+    the projection rounded to x's dtype before the add, as the separate add would see it.
+
+    A single row (a batch-1 decode step) with N below 64 × the GPU's SM count runs the Triton GEMV, the
+    add in its epilogue; everything else, any input that needs a gradient, and a weight whose rows are
+    not contiguous (copying it would cost more than the GEMV saves) is F.linear (cuBLAS).
     """
     if not _inputs_ok(x, weight, bias):
         check_linear_inputs(x, weight, bias)  # one by one, naming what is wrong
-    x_shape, w_shape = x.shape, weight.shape
-    numel = x.numel()
-    if (numel == 0 or 0 in w_shape or weight.stride()[1] != 1 or numel != x_shape[-1]
-            or not _few_rows_for_cublas(w_shape[0], x.device) or needs_autograd(x, weight, bias)):
-        return F.linear(x, weight, bias)
+    if residual is not None:
+        _check_residual(residual, x, weight)
+    if not _runs_gemv(x, weight, bias):
+        y = F.linear(x, weight, bias)
+        return y if residual is None else y + residual
     if x.stride()[-1] != 1:
         x = x.contiguous()
-    return gemv_launch(x, weight, None if bias is None else contiguous(bias))
+    return gemv_launch(x, weight, None if bias is None else contiguous(bias),
+                       None if residual is None else contiguous(residual))
+
+
+def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x / rms(x), weight, bias)`, rms(x) = sqrt(mean(x²) + eps) over x's last dim: an RMSNorm
+    whose weight g has been folded into the projection after it (weight = W · diag(g)), in one op.
+
+    At one row the Triton GEMV sums x² in its own pass over x and scales the projection by 1 / rms(x),
+    so the norm takes no kernel and no pass of its own; elsewhere x is normalized first, then F.linear.
+    """
+    if not _inputs_ok(x, weight, bias):
+        check_linear_inputs(x, weight, bias)
+    if not (type(eps) is float and eps >= 0):
+        check_eps(eps)
+        eps = float(eps)
+    if not _runs_gemv(x, weight, bias):
+        xf = x.float()
+        normalized = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return F.linear(normalized, weight, bias)
+    if x.stride()[-1] != 1:
+        x = x.contiguous()
+    return gemv_launch(x, weight, None if bias is None else contiguous(bias), rms_eps=eps)

@@ -68,8 +68,26 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y + residual
+
+
+def _rms_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = _upcast(x)
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """An RMSNorm without its weight, then the projection (whose weight holds the norm's)."""
+    return F.linear((_upcast(x) * _rms_factor(x, eps)).to(x.dtype), weight, bias)
+
+
+def rms_silu_and_mul(x: torch.Tensor, h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """silu_and_mul of x = [gate | up] scaled by 1 / rms(h), row by row."""
+    return silu_and_mul(_upcast(x) * _rms_factor(h, eps)).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 `swiglu(gate, up)` takes the two projections as separate tensors (Hugging Face's LlamaMLP);
 `silu_and_mul(x)` takes them side by side in the last dim, [gate | up] (vLLM's merged gate_up
-projection), and reads both halves in place without splitting x.
+projection), and reads both halves in place without splitting x; `rms_silu_and_mul(x, h)` also takes
+the RMSNorm factor of the h that x was projected from, when the norm's weight lives in the projection.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import triton
 import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
-from fuselab.kernels._common.launch import cdiv, row_and_columns, row_block_grid, use_pdl
+from fuselab.kernels._common.launch import cdiv, next_power_of_2, row_and_columns, row_block_grid, use_pdl
 from fuselab.kernels._common.validate import (
     check_at_least_1d,
+    check_eps,
     check_float_tensor,
     check_like,
     contiguous,
@@ -54,6 +56,29 @@ def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.con
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_silu_and_mul_kernel(X, H, Y, n_cols, h_cols, eps, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    """A block of one row of [gate | up], both scaled by that row of h's 1 / rms first."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+    row, cols = row_and_columns(n_cols, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(X + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(X + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    # Every program of the row sums h² itself: h is one row, read from L2, next to a separate norm's launch.
+    sq = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(0, h_cols, BLOCK_H):
+        h_offs = start + tl.arange(0, BLOCK_H)
+        h = tl.load(H + row * h_cols + h_offs, mask=h_offs < h_cols, other=0.0).to(tl.float32)
+        sq += h * h
+    r = tl.rsqrt(tl.sum(sq, axis=0) / h_cols + eps)
+    g *= r
+    y = g * tl.sigmoid(g) * (u * r)
+    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -153,6 +178,19 @@ def silu_and_mul_forward(x: torch.Tensor) -> torch.Tensor:
     return swiglu_forward(x, x, out, width, up_offset=half)
 
 
+def rms_silu_and_mul_forward(x: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], half)
+    if out.numel() == 0:
+        return out
+    h_cols = h.shape[-1]
+    grid, block = row_block_grid(out.numel() // half, half, _MAX_BLOCK)
+    pdl = use_pdl(out.device)
+    launch(_rms_silu_and_mul_kernel, grid, x, h, out, half, h_cols, eps, BLOCK=block,
+           BLOCK_H=min(_MAX_BLOCK, next_power_of_2(h_cols)), USE_PDL=pdl, num_warps=_NUM_WARPS, launch_pdl=pdl)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # autograd
 # --------------------------------------------------------------------------------------------
@@ -215,3 +253,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if needs_autograd(x):
         return SiluAndMulFunction.apply(x)
     return silu_and_mul_forward(x)
+
+
+def rms_silu_and_mul(x: torch.Tensor, h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """silu(gate / rms(h)) · (up / rms(h)) for x = [gate | up] along the last dim, rms(h) = sqrt(mean(h²) + eps)
+    over each row of h: the SwiGLU of a gate/up projection of RMSNorm(h) whose norm weight was folded into
+    the projection's weight (x = h · (W · diag(g))ᵀ), the norm's factor applied here instead of in a kernel
+    of its own. For inference (no autograd)."""
+    if not (float_tensor_ok(x) and x.dim() > 0 and x.shape[-1] % 2 == 0 and float_tensor_ok(h)
+            and h.dtype is x.dtype and h.device == x.device and h.dim() == x.dim() and h.shape[:-1] == x.shape[:-1]
+            and h.shape[-1] > 0 and type(eps) is float and eps >= 0):
+        check_float_tensor("x", x)  # the checks one by one, which name what is wrong
+        check_at_least_1d("x", x)
+        if x.shape[-1] % 2:
+            raise ValueError(f"x's last dim holds [gate | up] and must be even, got {x.shape[-1]}")
+        check_float_tensor("h", h)
+        if h.dtype != x.dtype or h.device != x.device:
+            raise TypeError(f"h must be {x.dtype} on {x.device} like x, got {h.dtype} on {h.device}")
+        if h.dim() != x.dim() or h.shape[:-1] != x.shape[:-1] or h.shape[-1] == 0:
+            raise ValueError(f"h must have x's rows {tuple(x.shape[:-1])} and a non-empty last dim, "
+                             f"got shape {tuple(h.shape)}")
+        check_eps(eps)
+        eps = float(eps)
+    if needs_autograd(x, h):
+        raise ValueError("rms_silu_and_mul is for inference: x and h must not require grad")
+    return rms_silu_and_mul_forward(contiguous(x), contiguous(h), eps)

@@ -1,0 +1,131 @@
+"""The ops a decode row runs once the norms' weights are folded into the projections after them:
+`linear(..., residual=)` (the residual add in the GEMV's epilogue), `rms_linear` (the norm's 1 / rms taken
+in the GEMV's pass over x) and `rms_silu_and_mul` (taken in the SwiGLU), against float64 references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DTYPES, assert_close, kernel_module
+
+from fuselab.kernels import linear, reference, rms_linear, rms_norm, rms_silu_and_mul
+
+gemv = kernel_module("linear")
+
+
+def _randn(shape, dtype, device, seed=0, scale=1.0):
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(device)
+
+
+def _counting_gemv(monkeypatch):
+    launch, calls = gemv.gemv_launch, []
+    monkeypatch.setattr(gemv, "gemv_launch", lambda *a, **kw: calls.append(kw) or launch(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(1, 3), (7, 1000), (130, 2048), (5, 4097), (33, 5003)])
+def test_rms_linear_at_one_row_is_the_gemv_and_matches_the_norm_then_the_projection(device, dtype, n, k,
+                                                                                    monkeypatch):
+    calls = _counting_gemv(monkeypatch)
+    x = _randn((1, k), dtype, device, k, scale=3.0)  # not unit scale: the factor must matter
+    w = _randn((n, k), dtype, device, n, scale=k**-0.5)
+    got = rms_linear(x, w, 1e-5)
+    expected = reference.rms_linear(x.double(), w.double(), 1e-5)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert_close(got, expected, dtype, scale=4.0)
+    assert [c.get("rms_eps") for c in calls] == [1e-5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_linear_with_a_bias_and_leading_dims(device, dtype):
+    x, w, b = _randn((1, 1, 300), dtype, device, 1, 2.0), _randn((50, 300), dtype, device, 2, 0.05), \
+        _randn((50,), dtype, device, 3)
+    expected = reference.rms_linear(x.double(), w.double(), 1e-6, b.double())
+    assert_close(rms_linear(x, w, 1e-6, b), expected, dtype, scale=4.0)
+
+
+def test_rms_linear_equals_a_norm_whose_weight_is_folded_into_the_projection(device):
+    x = _randn((1, 96), torch.float32, device, 1)
+    g, w = _randn((96,), torch.float32, device, 2), _randn((40, 96), torch.float32, device, 3)
+    unfolded = F.linear(reference.rms_norm(x.double(), g.double(), 1e-5), w.double())
+    assert_close(rms_linear(x, w * g, 1e-5), unfolded, torch.float32, scale=4.0)
+
+
+def test_rms_linear_over_several_rows_normalizes_each(device, monkeypatch):
+    monkeypatch.setattr(gemv, "gemv_launch", lambda *a, **kw: pytest.fail("the GEMV ran"))
+    x = _randn((3, 64), torch.float32, device, 1) * torch.tensor([[1.0], [10.0], [0.1]], device=device)
+    w = _randn((8, 64), torch.float32, device, 2)
+    expected = F.linear(rms_norm(x, torch.ones(64, device=device), 1e-6).double(), w.double())
+    assert_close(rms_linear(x, w), expected, torch.float32, scale=4.0)
+
+
+def test_rms_linear_of_a_zero_row_is_zero_not_nan(device):
+    y = rms_linear(torch.zeros(1, 64, device=device), _randn((8, 64), torch.float32, device, 1), 1e-6)
+    assert y.tolist() == [[0.0] * 8]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(1, 5), (130, 2048), (9, 4097)])
+def test_linear_with_residual_adds_it_to_the_rounded_projection(device, dtype, n, k, monkeypatch):
+    calls = _counting_gemv(monkeypatch)
+    x, w = _randn((1, k), dtype, device, k), _randn((n, k), dtype, device, n, scale=k**-0.5)
+    residual = _randn((1, n), dtype, device, 7, scale=4.0)
+    got = linear(x, w, None, residual)
+    # The add sees the projection in x's dtype, as the separate add it replaces does: compiled, the sums are
+    # equal; Triton's interpreter rounds fp32 to half precision toward zero, so it may be an ulp off there.
+    expected = (linear(x, w).double() + residual.double()).to(dtype)
+    assert got.dtype == dtype
+    if device.type == "cuda":
+        assert torch.equal(got, expected)
+    assert_close(got, expected, dtype)
+    assert len(calls) == 2
+
+
+def test_linear_with_residual_over_several_rows_is_the_projection_plus_the_residual(device, monkeypatch):
+    monkeypatch.setattr(gemv, "gemv_launch", lambda *a, **kw: pytest.fail("the GEMV ran"))
+    x, w, r = _randn((4, 30), torch.float32, device, 1), _randn((20, 30), torch.float32, device, 2), \
+        _randn((4, 20), torch.float32, device, 3)
+    assert_close(linear(x, w, None, r), F.linear(x.double(), w.double()) + r.double(), torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, half, hidden", [(1, 300, 77), (1, 4100, 64), (3, 128, 5000), (2, 1, 1)])
+def test_rms_silu_and_mul_matches_the_reference(device, dtype, rows, half, hidden):
+    x = _randn((rows, 2 * half), dtype, device, half, scale=2.0)
+    h = _randn((rows, hidden), dtype, device, hidden, scale=5.0)
+    got = rms_silu_and_mul(x, h, 1e-5)
+    assert got.shape == (rows, half) and got.dtype == dtype
+    assert_close(got, reference.rms_silu_and_mul(x.double(), h.double(), 1e-5), dtype)
+
+
+def test_rms_silu_and_mul_is_the_swiglu_of_the_normalized_projection(device):
+    h, g = _randn((2, 48), torch.float32, device, 1, 3.0), _randn((48,), torch.float32, device, 2)
+    w = _randn((64, 48), torch.float32, device, 3)  # [gate | up], 32 each
+    unfolded = reference.gate_up_swiglu(reference.rms_norm(h.double(), g.double(), 1e-5), w.double())
+    assert_close(rms_silu_and_mul(F.linear(h, w * g), h, 1e-5), unfolded, torch.float32, scale=4.0)
+
+
+def test_bad_inputs_name_the_argument(device):
+    x, w = torch.zeros(1, 8, device=device), torch.zeros(4, 8, device=device)
+    with pytest.raises(ValueError, match="residual must have the output's shape \\(1, 4\\)"):
+        linear(x, w, None, torch.zeros(1, 8, device=device))
+    with pytest.raises(TypeError, match="residual must be torch.float32"):
+        linear(x, w, None, torch.zeros(1, 4, device=device, dtype=torch.float16))
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        linear(x, w, None, [0.0] * 4)
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        rms_linear(x, w, -1.0)
+    with pytest.raises(ValueError, match="x's last dim \\(8\\) must equal weight's in_features \\(5\\)"):
+        rms_linear(x, torch.zeros(4, 5, device=device))
+    with pytest.raises(ValueError, match="must be even"):
+        rms_silu_and_mul(torch.zeros(1, 7, device=device), x)
+    with pytest.raises(ValueError, match="h must have x's rows \\(1,\\)"):
+        rms_silu_and_mul(x, torch.zeros(2, 8, device=device))
+    with pytest.raises(TypeError, match="h must be torch.float32"):
+        rms_silu_and_mul(x, x.half())
+    with pytest.raises(TypeError, match="h must be a torch.Tensor"):
+        rms_silu_and_mul(x, None)
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        rms_silu_and_mul(x, x, float("nan"))
+    with pytest.raises(ValueError, match="for inference"):
+        rms_silu_and_mul(x.clone().requires_grad_(True), x)
