@@ -9,10 +9,10 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 left() { [ $(( $(date +%s) - S + T )) -lt ${LIMIT:-540} ]; }
 ab() { left || { echo "skip ab $*"; return; }
   timeout $T python3 scripts/experiments/fold-norms/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 1 $r/rates.err; }
-T=60; left && { timeout $T python3 -m pytest -q -p no:cacheprovider tests/test_kernels_folded_norm.py tests/test_kernels_linear.py \
-  tests/test_kernels_swiglu.py "tests/test_engine_hf.py" -k "folded or keeps or fused or linear or swiglu" > $r/gpu-tests.log 2>&1; tail -1 $r/gpu-tests.log; }
 T=70 ab llama3-1b 1 3 folded norms folded norms
 T=100 ab llama3-8b 1 3 folded norms folded norms
+T=60; left && { timeout $T python3 -m pytest -q -p no:cacheprovider tests/test_kernels_folded_norm.py tests/test_kernels_linear.py \
+  tests/test_kernels_swiglu.py "tests/test_engine_hf.py" -k "folded or keeps or fused or linear or swiglu" > $r/gpu-tests.log 2>&1; tail -1 $r/gpu-tests.log; }
 T=60; left && { timeout $T python3 scripts/profile-decode --preset llama3-1b --json $r/profile-1b.json > $r/profile-1b.txt 2>&1; tail -3 $r/profile-1b.txt; }
 T=170; left && { timeout $T python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py > $r/engine-gpu.log 2>&1; tail -1 $r/engine-gpu.log; }
 echo elapsed $(( $(date +%s) - S ))
