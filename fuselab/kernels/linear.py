@@ -40,7 +40,7 @@ from fuselab.kernels._common.validate import (
 def _gemv_kernel(
     X, W, B, R, Y, N, K, stride_wn, eps,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -58,26 +58,34 @@ def _gemv_kernel(
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
     acc = w.to(tl.float32) * x[None, :]
     if RMS_SCALE:
-        sq = x * x  # x's sum of squares, in the same pass: the norm's factor without a pass of its own
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        w_ptrs += BLOCK_K
-        if EVEN_K:
-            x = tl.load(X + k0 + ks).to(tl.float32)
-            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+        # x's sum of squares, in the same pass: the norm's factor without a pass of its own. A row of one
+        # block is summed at once, so that no vector of squares holds registers beside the products.
+        if ONE_STEP:
+            ss = tl.sum(x * x, axis=0)
         else:
-            k_ok = k0 + ks < K
-            x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-        if RMS_SCALE:
-            sq += x * x
+            sq = x * x
+    if not ONE_STEP:  # rows longer than a block
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ptrs += BLOCK_K
+            if EVEN_K:
+                x = tl.load(X + k0 + ks).to(tl.float32)
+                w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = k0 + ks < K
+                x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            if RMS_SCALE:
+                sq += x * x
     if USE_PDL:
         # After the loop, not after the wait as the step's other kernels: this GEMV streams W at the copy
         # rate, and the next kernel launched during its run slowed the step (docs/tuning/decode-step.md).
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if RMS_SCALE:
-        y *= tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        if not ONE_STEP:
+            ss = tl.sum(sq, axis=0)
+        y *= tl.rsqrt(ss / K + eps)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -138,7 +146,7 @@ def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale
     block_n, block_k = gemv_blocks(k)
     return (cdiv(n, block_n),), prepare(
         _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------
