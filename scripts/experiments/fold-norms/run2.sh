@@ -10,14 +10,12 @@ ab() { left || { echo "skip $*"; return; }
   local build=$1; shift
   PYTHONPATH=$([ $build = base ] && echo $BASE || echo .) timeout $T python3 scripts/experiments/fold-norms/ab.py "$@" \
     | sed "s/^{/{\"build\": \"$build\", /" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 1 $r/rates.err; }
-T=50 ab base llama3-1b 1 3 folded
-T=50 ab one-step llama3-1b 1 3 folded norms
-T=50 ab base llama3-1b 1 3 folded
-T=50 ab one-step llama3-1b 1 3 folded
-T=80 ab base llama3-8b 1 3 folded
-T=80 ab one-step llama3-8b 1 3 folded norms
-T=80 ab base llama3-8b 1 3 folded
-T=80 ab one-step llama3-8b 1 3 folded
+T=45 ab base llama3-1b 1 3 folded
+T=45 ab one-step llama3-1b 1 3 folded
+T=45 ab base llama3-1b 1 3 folded
+T=45 ab one-step llama3-1b 1 3 folded
+T=75 ab one-step llama3-8b 1 3 folded
+T=75 ab base llama3-8b 1 3 folded
 echo elapsed $(( $(date +%s) - S ))
 python3 -c "
 import json
