@@ -13,10 +13,9 @@ for prefill, paged flash-decoding for decode, and a chunked argmax for the greed
 projections are cuBLAS GEMMs in both, except that "fused" runs a one-row projection with few
 output features (batch-1 decode's q/k/v, output and down) as a Triton GEMV, and, in "fused" mode,
 one row's gate/up projection with its SwiGLU as one Triton launch (gate_up_swiglu: fewer launches
-for the host; "graphs", bound by the GPU, keeps cuBLAS there, the faster kernel). In both, a one-row decode step
-runs no norm kernel (fold_norms): the residual adds are the output and down projections' epilogues, and each
-norm is taken by the op after it (1 / rms by the q/k/v GEMV and the SwiGLU, the norm's weight folded into q/k/v
-and gate/up at load; a quantized model's kernels take both where they round x).
+for the host; "graphs", bound by the GPU, keeps cuBLAS there, the faster kernel). In both, the norms' weights
+are folded into q/k/v and gate/up at load (fold_norms), so that a one-row decode step runs no norm kernel:
+1 / rms is taken by the op after each norm, the residual adds by the output and down projections.
 
 With a quantization scheme every projection, lm_head included, is a QuantizedLinear (packed int4,
 int8 or fp8 weights, fuselab.engine.quantize): "fused" runs fuselab.kernels.quantized_linear,
