@@ -84,7 +84,8 @@ def test_eager_mode_keeps_the_norms_weights(checkpoints):
     hf_model, path = checkpoints["llama3"]
     model = LLM(path, mode="eager", dtype="float32").model
     assert not model.norms_folded
-    assert model.model.layers[0].input_layernorm.weight.cpu().equal(hf_model.model.layers[0].input_layernorm.weight.cpu())
+    ours, theirs = model.model.layers[0].input_layernorm.weight, hf_model.model.layers[0].input_layernorm.weight
+    assert ours.cpu().equal(theirs.cpu())
 
 
 def test_sharded_checkpoint_loads_like_one_file(checkpoints, tmp_path):

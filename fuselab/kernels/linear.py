@@ -146,7 +146,8 @@ def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale
     block_n, block_k = gemv_blocks(k)
     return (cdiv(n, block_n),), prepare(
         _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=1, launch_pdl=pdl)
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl, num_warps=NUM_WARPS,
+        num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------
