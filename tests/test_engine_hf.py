@@ -86,6 +86,8 @@ def test_eager_mode_keeps_the_norms_weights(checkpoints):
     assert not model.norms_folded
     ours, theirs = model.model.layers[0].input_layernorm.weight, hf_model.model.layers[0].input_layernorm.weight
     assert ours.cpu().equal(theirs.cpu())
+    with pytest.raises(ValueError, match="not eager"):  # the reference has no folded step to run
+        model.fold_norms()
 
 
 def test_sharded_checkpoint_loads_like_one_file(checkpoints, tmp_path):

@@ -62,11 +62,6 @@ class Ops(NamedTuple):
     linear: Callable  # (x, weight, bias=None) -> x @ weightᵀ + bias
     rms_norm: Callable  # (x, weight, eps, residual=None) -> y, or (y, x + residual)
     gate_up_swiglu: Callable  # (x, gate/up weight) -> silu(x @ gateᵀ) · (x @ upᵀ)
-    # A one-row decode step of a model whose norm weights are folded into the projections after them
-    # (LlamaForCausalLM.fold_norms): the residual add in a projection, a norm's 1 / rms in the op after it.
-    linear_add: Callable  # (x, weight, residual) -> x @ weightᵀ + residual
-    rms_linear: Callable  # (x, weight, eps, bias) -> (x / rms(x)) @ weightᵀ + bias
-    rms_silu_and_mul: Callable  # ([gate | up], h, eps) -> silu(gate / rms(h)) · (up / rms(h))
     # The two ops over a layer's KV cache are bound to it once (bind_kv_cache), with its RoPE table, scale,
     # context limit and tickets: a layer's call then passes only the step's tensors.
     bind_rope_and_store_kv: Callable  # (cos_sin, k_cache, v_cache) -> (q, k, v, positions, slot_mapping) -> (q, k)
@@ -76,6 +71,12 @@ class Ops(NamedTuple):
     # (cos_sin, k_cache, v_cache, scale, max_seq_len, counters) -> (qkv, tables, lens) -> o; None: the two above.
     bind_rope_decode_attention: Callable | None
     argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
+    # A one-row decode step of a model whose norm weights are folded into the projections after them
+    # (LlamaForCausalLM.fold_norms): the residual add in a projection, a norm's 1 / rms in the op after it.
+    # None: the mode has no such step ("eager", the unfolded reference).
+    linear_add: Callable | None = None  # (x, weight, residual) -> x @ weightᵀ + residual
+    rms_linear: Callable | None = None  # (x, weight, eps, bias) -> (x / rms(x)) @ weightᵀ + bias
+    rms_silu_and_mul: Callable | None = None  # ([gate | up], h, eps) -> silu(gate / rms(h)) · (up / rms(h))
 
 
 def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -109,9 +110,6 @@ EAGER_OPS = Ops(
     linear=reference.linear,
     rms_norm=reference.rms_norm,
     gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference.linear(x, w)),
-    linear_add=lambda x, w, residual: reference.linear(x, w, None, residual),
-    rms_linear=reference.rms_linear,
-    rms_silu_and_mul=reference.rms_silu_and_mul,
     bind_rope_and_store_kv=_bind_reference_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     bind_decode_attention=_bind_reference_decode_attention,
@@ -123,9 +121,6 @@ FUSED_OPS = Ops(
     linear=kernels.linear,  # a Triton GEMV for one row where cuBLAS would leave SMs idle
     rms_norm=kernels.rms_norm,
     gate_up_swiglu=_fused_gate_up_swiglu,
-    linear_add=lambda x, w, residual: kernels.linear(x, w, None, residual),  # the add in the GEMV's epilogue
-    rms_linear=kernels.rms_linear,  # x's sum of squares in the GEMV's pass over it
-    rms_silu_and_mul=kernels.rms_silu_and_mul,
     bind_rope_and_store_kv=_bind_fused_rope_and_store_kv,
     prefill_attention=lambda q, k, v, cu, max_len, scale: kernels.flash_attention_varlen(
         q, k, v, cu, max_len, True, scale),
@@ -136,6 +131,9 @@ FUSED_OPS = Ops(
     bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
         cos_sin, kc, vc, scale, max_len, counters=counters),
     argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
+    linear_add=lambda x, w, residual: kernels.linear(x, w, None, residual),  # the add in the GEMV's epilogue
+    rms_linear=kernels.rms_linear,  # x's sum of squares in the GEMV's pass over it
+    rms_silu_and_mul=kernels.rms_silu_and_mul,
 )
 
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
@@ -364,8 +362,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             for norm, projection in ((layer.input_layernorm, layer.self_attn.qkv_proj),
                                      (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
-                if not isinstance(projection, nn.Linear) or self.tensor_parallel is not None:
-                    raise ValueError("fold_norms needs float projections of an unsharded model")
+                if (not isinstance(projection, nn.Linear) or self.tensor_parallel is not None
+                        or self.ops.rms_linear is None):
+                    raise ValueError("fold_norms needs float projections of an unsharded model, in a mode with "
+                                     "the folded step (not eager)")
                 projection.weight.mul_(norm.weight)  # over in_features, in either storage layout
                 norm.weight.fill_(1.0)
         self.norms_folded = True

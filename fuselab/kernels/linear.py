@@ -30,6 +30,7 @@ from fuselab.kernels._common.validate import (
     needs_autograd,
     on_kernel_device,
 )
+from fuselab.kernels.rms_norm import rms_norm
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -242,9 +243,7 @@ def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         check_eps(eps)
         eps = float(eps)
     if not _runs_gemv(x, weight, bias):
-        xf = x.float()
-        normalized = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-        return F.linear(normalized, weight, bias)
+        return F.linear(rms_norm(x, x.new_ones(x.shape[-1]), eps), weight, bias)
     if x.stride()[-1] != 1:
         x = x.contiguous()
     return gemv_launch(x, weight, None if bias is None else contiguous(bias), rms_eps=eps)
