@@ -71,12 +71,12 @@ class Ops(NamedTuple):
     # (cos_sin, k_cache, v_cache, scale, max_seq_len, counters) -> (qkv, tables, lens) -> o; None: the two above.
     bind_rope_decode_attention: Callable | None
     argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
-    # A one-row decode step of a model whose norm weights are folded into the projections after them
-    # (LlamaForCausalLM.fold_norms): the residual add in a projection, a norm's 1 / rms in the op after it.
-    # None: the mode has no such step ("eager", the unfolded reference).
+    # A one-row decode step with the norms folded (LlamaForCausalLM.fold_norms): the residual add in the projection
+    # before, the norm (x / rms(x) · g) in the op after. A float model's g is in its weights (ones here, ignored),
+    # a quantized one's is applied where x is rounded. None: the mode has no such step ("eager").
     linear_add: Callable | None = None  # (x, weight, residual) -> x @ weightᵀ + residual
-    rms_linear: Callable | None = None  # (x, weight, eps, bias) -> (x / rms(x)) @ weightᵀ + bias
-    rms_silu_and_mul: Callable | None = None  # ([gate | up], h, eps) -> silu(gate / rms(h)) · (up / rms(h))
+    rms_linear: Callable | None = None  # (x, weight, eps, bias, g) -> norm(x) @ weightᵀ + bias
+    rms_gate_up_swiglu: Callable | None = None  # (h, gate/up weight, eps, g) -> silu_and_mul(norm(h) @ weightᵀ)
 
 
 def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -132,8 +132,9 @@ FUSED_OPS = Ops(
         cos_sin, kc, vc, scale, max_len, counters=counters),
     argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
     linear_add=lambda x, w, residual: kernels.linear(x, w, None, residual),  # the add in the GEMV's epilogue
-    rms_linear=kernels.rms_linear,  # x's sum of squares in the GEMV's pass over it
-    rms_silu_and_mul=kernels.rms_silu_and_mul,
+    rms_linear=lambda x, w, eps, bias, g: kernels.rms_linear(x, w, eps, bias),  # x² summed in the GEMV's pass
+    # cuBLAS, then the SwiGLU with h's 1 / rms
+    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_silu_and_mul(kernels.linear(h, w), h, eps),
 )
 
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
@@ -152,7 +153,10 @@ EAGER_QUANT_OPS = EAGER_OPS._replace(
     gate_up_swiglu=lambda x, w: reference.silu_and_mul(reference_quant.quantized_linear(x, w)))
 FUSED_QUANT_OPS = FUSED_OPS._replace(
     linear=kernels.quantized_linear,
-    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)))
+    gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)),
+    linear_add=lambda x, w, residual: kernels.quantized_linear(x, w, residual=residual),
+    rms_linear=lambda x, w, eps, bias, g: kernels.quantized_linear(x, w, bias, norm=(g, eps)),
+    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.silu_and_mul(kernels.quantized_linear(h, w, norm=(g, eps))))
 GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention,
                                            bind_rope_decode_attention=GRAPH_OPS.bind_rope_decode_attention)
 
@@ -313,11 +317,11 @@ class DecoderLayer(nn.Module):
         the whole residual stream, its adds are the output and down projections' epilogues, and each norm's
         1 / rms is taken by the op after it (the q/k/v GEMV, the SwiGLU), so no norm runs a kernel of its own.
         Returns the next residual stream."""
-        ops, attention, mlp = self.ops, self.self_attn, self.mlp
-        qkv = ops.rms_linear(h, attention.qkv_proj.weight, self.input_layernorm.eps, attention.qkv_proj.bias)
+        ops, attention, mlp, norm1, norm2 = (self.ops, self.self_attn, self.mlp, self.input_layernorm,
+                                             self.post_attention_layernorm)
+        qkv = ops.rms_linear(h, attention.qkv_proj.weight, norm1.eps, attention.qkv_proj.bias, norm1.weight)
         h = ops.linear_add(attention.attend(qkv, attn), attention.o_proj.weight, h)
-        gate_up = ops.linear(h, mlp.gate_up_proj.weight)
-        x = ops.rms_silu_and_mul(gate_up, h, self.post_attention_layernorm.eps)
+        x = ops.rms_gate_up_swiglu(h, mlp.gate_up_proj.weight, norm2.eps, norm2.weight)
         return ops.linear_add(x, mlp.down_proj.weight, h)
 
 
@@ -354,20 +358,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def fold_norms(self) -> None:
-        """Fold each layer's two norm weights g into the projections they feed (q/k/v after the input norm,
-        gate/up after the post-attention one): x · diag(g) · Wᵀ = x · (W · diag(g))ᵀ, each weight rounded once
-        to the model's dtype; the norms keep weights of ones. A one-row decode step then runs no norm kernel
-        (DecoderLayer.forward_folded): 2 kernels a layer fewer. For float, unsharded models, after their
-        weights are in."""
+        """Let a one-row decode step run no norm kernel (DecoderLayer.forward_folded): 2 kernels a layer fewer.
+        A float model's two norm weights g a layer go into the projections they feed (q/k/v after the input
+        norm, gate/up after the post-attention one): x · diag(g) · Wᵀ = x · (W · diag(g))ᵀ, each weight rounded
+        once to the model's dtype, the norms left with weights of ones. A quantized model keeps its weights: its
+        one-row kernels take g where they round x. For unsharded models, after their weights are in, in a mode
+        that has the step (not "eager")."""
+        if self.tensor_parallel is not None or self.ops.rms_linear is None:
+            raise ValueError("fold_norms needs an unsharded model in a mode with the folded step (not eager)")
         for layer in self.model.layers:
             for norm, projection in ((layer.input_layernorm, layer.self_attn.qkv_proj),
                                      (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
-                if (not isinstance(projection, nn.Linear) or self.tensor_parallel is not None
-                        or self.ops.rms_linear is None):
-                    raise ValueError("fold_norms needs float projections of an unsharded model, in a mode with "
-                                     "the folded step (not eager)")
-                projection.weight.mul_(norm.weight)  # over in_features, in either storage layout
-                norm.weight.fill_(1.0)
+                if isinstance(projection, nn.Linear):
+                    projection.weight.mul_(norm.weight)  # over in_features, in either storage layout
+                    norm.weight.fill_(1.0)
         self.norms_folded = True
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], max_rows: int) -> None:

@@ -274,7 +274,7 @@ def build_runner(engine_config: EngineConfig, device: torch.device,
         init_random(model)
     else:
         load_checkpoint(model, engine_config.model_dir)
-    if engine_config.mode != "eager" and engine_config.quantization is None and tensor_parallel is None:
+    if engine_config.mode != "eager" and tensor_parallel is None:
         model.fold_norms()  # a one-row decode step then runs no norm kernel; "eager" stays the plain reference
     num_kv_blocks = engine_config.num_kv_blocks
     if num_kv_blocks is None:

@@ -120,9 +120,9 @@ def _row_codes(x, scale, FORMAT: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
+def _quantize_rows_kernel(X, G, XQ, XS, K, KP, stride_xm, eps, FORMAT: tl.constexpr, BLOCK: tl.constexpr,
                           ONE_BLOCK: tl.constexpr, EXACT: tl.constexpr, INT4_ORDER: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          NORM: tl.constexpr, USE_PDL: tl.constexpr):
     # A program a row. Output column b of a 64-column block holds element 16·(b % 4) + (b % 64) // 4 of
     # it (the 8-bit weight's byte order), so each block is gathered from the same 64 elements of x.
     # INT4_ORDER (int8 codes for an int4 weight, quantized_gemv_a8): column b of a 128-column block is
@@ -139,20 +139,36 @@ def _quantize_rows_kernel(X, XQ, XS, K, KP, stride_xm, FORMAT: tl.constexpr, BLO
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+    # NORM: the row is an RMSNorm's input. Its codes are those of x · g (the norm's weight), and its stored
+    # scale takes the norm's 1 / rms(x) as well: the codes of x · g / rms(x) would be the same, scale aside.
     if ONE_BLOCK:
         x = tl.load(x_row + src, mask=src < K, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x *= tl.load(G + src, mask=src < K, other=0.0).to(tl.float32)
         scale = _row_scale(tl.max(tl.abs(x), axis=0), FORMAT)
         q = _row_codes(x, scale, FORMAT, EXACT)
         tl.store(q_row + cols, q, mask=cols < KP)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK):
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+            x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            if NORM:
+                sq += x * x
+                x *= tl.load(G + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
         scale = _row_scale(tl.max(amax, axis=0), FORMAT)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         for b0 in range(0, KP, BLOCK):
             x = tl.load(x_row + b0 + src, mask=b0 + src < K, other=0.0).to(tl.float32)
+            if NORM:
+                x *= tl.load(G + b0 + src, mask=b0 + src < K, other=0.0).to(tl.float32)
             q = _row_codes(x, scale, FORMAT, EXACT)
             tl.store(q_row + b0 + cols, q, mask=b0 + cols < KP)
+    if NORM:
+        scale *= rstd
     tl.store(XS + row, scale)
 
 
@@ -266,25 +282,29 @@ def w8a8_config(m: int, n: int, kp: int, sms: int) -> tuple[int, int, int, int, 
     return block_m, block_n, block_k, split_k, 8 if block_n * block_m >= 8192 else 4, num_stages
 
 
-def quantize_rows(x2: torch.Tensor, kp: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x2: torch.Tensor, kp: int, fmt: str,
+                  norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [M, K] (unit column stride) as codes [M, kp] for a weight of `fmt` ("int8": torch.int8,
     "fp8": float8_e4m3fn, both in the packed weight's byte order; "int4": int8 codes in the order of
-    quantized_gemv_a8), zero padded, and their scales [M] fp32 (module docstring). One launch."""
+    quantized_gemv_a8), zero padded, and their scales [M] fp32 (module docstring). One launch.
+    With `norm` = (weight [K], eps), the rows of RMSNorm(x2) instead: codes of x2 · weight, each scale
+    times that row's 1 / rms."""
     m, k = x2.shape
     codes = torch.empty(m, kp, device=x2.device, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     scales = torch.empty(m, device=x2.device, dtype=torch.float32)
     block = min(MAX_QUANT_BLOCK, next_power_of_2(kp))
     pdl = use_pdl(x2.device)
-    launch(_quantize_rows_kernel, (m,), x2, codes, scales, k, kp, x2.stride(0),
+    g, eps = (None, 0.0) if norm is None else norm
+    launch(_quantize_rows_kernel, (m,), x2, g, codes, scales, k, kp, x2.stride(0), eps,
            FORMAT=_FORMAT_IDS["fp8" if fmt == "fp8" else "int8"], BLOCK=block, ONE_BLOCK=block >= kp,
-           EXACT=INTERPRETED, INT4_ORDER=fmt == "int4", USE_PDL=pdl,
+           EXACT=INTERPRETED, INT4_ORDER=fmt == "int4", NORM=norm is not None, USE_PDL=pdl,
            num_warps=max(1, min(16, block // 1024)), num_stages=1, launch_pdl=pdl)
     return codes, scales
 
 
 def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
                 config: tuple[int, int, int, int, int, int] | None = None,
-                counters: torch.Tensor | None = None) -> None:
+                counters: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None) -> None:
     """y2 [M, N] = quantize(x2) · Wᵀ (+ bias) for an int8 or fp8 weight, x2 quantized to the weight's
     format; inputs checked by the caller (quantized_linear): x2 [M, K] with unit column stride, y2
     contiguous in x2's dtype.
@@ -293,7 +313,7 @@ def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
     counters: int32, one per output tile, at zero (the kernel leaves them at zero); by default the
     weight's own, else a fresh torch.zeros per call with split-K (quantized_gemm.launch_gemm says why),
     allocated before x is quantized, so that its memset does not stand between the two kernels'
-    dependent launch."""
+    dependent launch. norm: (weight, eps): x2's rows are an RMSNorm's input (quantize_rows)."""
     if weight.fmt not in W8A8_FORMATS:
         raise ValueError(f"launch_w8a8 takes an int8 or fp8 weight, got {weight.fmt}")
     m, n, n_words = x2.shape[0], weight.out_features, weight.data.shape[1]
@@ -308,7 +328,7 @@ def launch_w8a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | 
         tiles = grid[0] * grid[1]
         counters = tile_counters(weight.counters if counters is None else counters, tiles, x2.device)
         parts = torch.empty(tiles * split_k * block_n * block_m, device=x2.device, dtype=torch.float32)
-    codes, scales = quantize_rows(x2, kp, weight.fmt)
+    codes, scales = quantize_rows(x2, kp, weight.fmt, norm)
     pdl = use_pdl(x2.device)
     launch(_w8a8_kernel, grid,
         codes, scales, weight.data, weight.scales, weight.scales if bias is None else bias,

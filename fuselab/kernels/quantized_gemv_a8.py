@@ -68,8 +68,8 @@ def _dp4a(a, b, c):
 
 @triton.jit
 def _gemv_a8_kernel(
-    XQ, XS, Wq, S, B, Y, N, n_words, stride_sn, n_tiles, high_nibbles, sign_bits,
-    INT4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    XQ, XS, Wq, S, B, R, Y, N, n_words, stride_sn, n_tiles, high_nibbles, sign_bits,
+    INT4: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
     RUNS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # A tile: BLOCK_N rows of W, a run of BLOCK_B blocks of each at a time, [BLOCK_N, BLOCK_B, 16] as the
@@ -137,6 +137,8 @@ def _gemv_a8_kernel(
                 acc = zero
             if HAS_BIAS:
                 y += tl.load(B + rows).to(tl.float32)
+            if HAS_RESIDUAL:  # rounded first, as the add after the projection would see it
+                y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows).to(tl.float32)
             tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
         w = w_next
 
@@ -188,23 +190,25 @@ def runs_a8(rows: int, weight: QuantizedWeight) -> bool:
 
 
 def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, y2: torch.Tensor,
-                   config: tuple[int, int, int, int] | None = None) -> None:
-    """y2 [1, N] = quantize(x2) · Wᵀ (+ bias), x2's one row rounded to int8; inputs checked by the caller
-    (quantized_linear): x2 [1, K] with unit column stride, y2 contiguous in x2's dtype.
+                   config: tuple[int, int, int, int] | None = None, residual: torch.Tensor | None = None,
+                   norm: tuple[torch.Tensor, float] | None = None) -> None:
+    """y2 [1, N] = quantize(x2) · Wᵀ (+ bias) (+ residual [1, N]), x2's one row rounded to int8 (with `norm` =
+    (weight, eps), RMSNorm(x2)'s: quantize_rows); inputs checked by the caller (quantized_linear): x2 [1, K] with
+    unit column stride, y2 and residual contiguous in x2's dtype.
     config: (BLOCK_N, BLOCK_B, num_warps, programs per SM), gemv_a8_config's by default."""
     if not runs_a8(x2.shape[0], weight):
         raise ValueError(f"launch_gemv_a8 takes one row and an int8 or int4-g{A8_INT4_GROUP} weight, got "
                          f"{x2.shape[0]} rows and {weight.fmt} (group {weight.group_size})")
     n, n_words = weight.out_features, weight.data.shape[1]
     int4 = weight.fmt == "int4"
-    codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt)
+    codes, x_scale = quantize_rows(x2, (8 if int4 else 4) * n_words, weight.fmt, norm)
     sms = sm_count(x2.device)
     block_n, block_b, num_warps, per_sm = config or gemv_a8_config(n, n_words, weight.fmt, sms)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
     launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sms),),
-        codes.view(torch.int32), x_scale, weight.data, weight.scales, weight.scales if bias is None else bias, y2,
+        codes.view(torch.int32), x_scale, weight.data, weight.scales, bias, residual, y2,
         n, n_words, weight.scales.stride(0), n_tiles, HIGH_NIBBLES, SIGN_BITS,
-        INT4=int4, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        INT4=int4, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
         USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )

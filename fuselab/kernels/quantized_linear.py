@@ -36,13 +36,14 @@ import triton.language as tl
 
 from fuselab.kernels._common.fast_launch import launch
 from fuselab.kernels._common.launch import cdiv, sm_count, use_pdl
-from fuselab.kernels._common.validate import check_float_tensor
+from fuselab.kernels._common.validate import check_eps, check_float_tensor
 from fuselab.kernels.quant_codes import MAGIC, _FORMAT_IDS, _codes, _high_half
 from fuselab.kernels.quant_pack import (
     BLOCK_WORDS, QuantizedWeight, block_elements, check_format, packed_words, scales_shape, values_per_word)
 from fuselab.kernels.quantized_gemm import launch_gemm
 from fuselab.kernels.quantized_gemm_w8a8 import W8A8_FORMATS, launch_w8a8
 from fuselab.kernels.quantized_gemv_a8 import launch_gemv_a8, runs_a8
+from fuselab.kernels.rms_norm import rms_norm
 
 # --------------------------------------------------------------------------------------------
 # Triton kernels
@@ -51,8 +52,8 @@ from fuselab.kernels.quantized_gemv_a8 import launch_gemv_a8, runs_a8
 
 @triton.jit
 def _gemv_kernel(
-    X, Wq, S, B, Y, N, K, n_words, stride_sn, magic, n_tiles,
-    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    X, Wq, S, B, R, Y, N, K, n_words, stride_sn, magic, n_tiles,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, RUNS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # A tile: BLOCK_N rows of W, a run of BLOCK_B 16-word blocks of each at a time, [BLOCK_N,
@@ -111,6 +112,8 @@ def _gemv_kernel(
                 y *= tl.load(S + rows)
             if HAS_BIAS:
                 y += tl.load(B + rows).to(tl.float32)
+            if HAS_RESIDUAL:  # rounded first, as the add after the projection would see it
+                y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows).to(tl.float32)
             tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
             acc = tl.zeros((BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
         w = w_next
@@ -188,16 +191,16 @@ def gemv_config(n_words: int) -> tuple[int, int, int, int]:
     return GEMV_ROWS, block_b, max(1, block_b // 8), GEMV_PROGRAMS_PER_SM
 
 
-def _launch_gemv(x2, weight, bias, y2, config=None) -> None:
+def _launch_gemv(x2, weight, bias, y2, config=None, residual=None) -> None:
     n, k, n_words = weight.out_features, weight.in_features, weight.data.shape[1]
     block_n, block_b, num_warps, per_sm = config or gemv_config(n_words)
     n_tiles = cdiv(n, block_n)
     pdl = use_pdl(x2.device)
     launch(_gemv_kernel, (min(n_tiles, per_sm * sm_count(x2.device)),),
-        x2, weight.data, weight.scales, weight.scales if bias is None else bias, y2, n, k, n_words,
+        x2, weight.data, weight.scales, bias, residual, y2, n, k, n_words,
         weight.scales.stride(0), MAGIC, n_tiles,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
         EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )
 
@@ -292,13 +295,38 @@ def rounds_x(rows: int, weight: QuantizedWeight) -> str | None:
     return weight.fmt if runs_w8a8(rows, weight) else None
 
 
+def _check_fold(x: torch.Tensor, weight: QuantizedWeight, residual: object, norm: object) -> None:
+    if residual is not None:
+        check_float_tensor("residual", residual)
+        shape = (*x.shape[:-1], weight.out_features)
+        if tuple(residual.shape) != shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual must be a {shape} {x.dtype} tensor on {x.device}, got "
+                             f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if norm is not None:
+        if not (isinstance(norm, tuple) and len(norm) == 2):
+            raise TypeError(f"norm must be a (weight, eps) pair, got {type(norm).__name__}")
+        g, eps = norm
+        check_float_tensor("norm weight", g)
+        if tuple(g.shape) != (weight.in_features,) or g.dtype != x.dtype or g.device != x.device:
+            raise ValueError(f"norm weight must be a ({weight.in_features},) {x.dtype} tensor on {x.device}, got "
+                             f"{tuple(g.shape)} {g.dtype} on {g.device}")
+        check_eps(eps)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                     norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [..., K] · dequantize(weight)ᵀ (+ bias [N]) -> [..., N] in x's dtype (fp32 accumulation);
     written into `out` when given. x is rounded per row (to int8 codes, or e4m3 for fp8 weights)
     where `rounds_x` says so: one row of a large int8 or int4-g128 weight, W8A8's rows of 8-bit
-    weights. Inference only: no gradient flows to the quantized weight."""
+    weights. Inference only: no gradient flows to the quantized weight.
+
+    A pre-norm layer's neighbours, for a decode row: `residual` [..., N] is added to the product (rounded to x's
+    dtype first, as the separate add would see it), in the one-row GEMVs' epilogue; with `norm` = (g [K], eps)
+    the product is RMSNorm(x) · g's, the norm taken where x is rounded (the codes of x · g, each row's scale times
+    its 1 / rms: no kernel of its own), and by the norm kernel before the product where x is not rounded."""
     _check(x, weight, bias, out)
+    _check_fold(x, weight, residual, norm)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -310,16 +338,26 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     y2 = out.view(m, n)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
+    r2 = None if residual is None else residual.reshape(m, n).contiguous()
+    in_epilogue = False
+    if norm is not None and not (runs_gemv_a8(m, weight) or runs_w8a8(m, weight)):
+        x2, norm = rms_norm(x2, norm[0].contiguous(), float(norm[1])), None
+    elif norm is not None:
+        norm = (norm[0].contiguous(), float(norm[1]))
     if runs_gemv_a8(m, weight):
-        launch_gemv_a8(x2, weight, bias, y2)
+        launch_gemv_a8(x2, weight, bias, y2, residual=r2, norm=norm)
+        in_epilogue = True
     elif runs_w8a8(m, weight):
-        launch_w8a8(x2, weight, bias, y2)
+        launch_w8a8(x2, weight, bias, y2, norm=norm)
     elif m <= GEMV_MAX_ROWS:
-        _launch_gemv(x2, weight, bias, y2)
+        _launch_gemv(x2, weight, bias, y2, residual=r2)
+        in_epilogue = True
     elif m <= FUSED_MAX_ROWS:
         launch_gemm(x2, weight, bias, y2)
     else:
         torch.matmul(x2, dequantize(weight, x.dtype).t(), out=y2)
         if bias is not None:
             y2 += bias
+    if r2 is not None and not in_epilogue:
+        y2 += r2
     return out

@@ -1,8 +1,9 @@
 """A/B in one process: a one-row decode step with the norms folded (no norm kernel) against the norm kernels.
 
-Usage: ab.py PRESET BATCH ROUNDS VARIANT [VARIANT ...]
+Usage: ab.py PRESET[:QUANTIZATION] BATCH ROUNDS VARIANT [VARIANT ...]
 VARIANT: "folded" (model.norms_folded = True: DecoderLayer.forward_folded) or "norms" (False: the add + RMSNorm
-kernels, over the same folded weights, whose norms then have weights of ones). Each variant recaptures the decode
+kernels, over the same folded weights, whose norms then have weights of ones; a quantized model's weights are
+not folded: its one-row kernels take the norm's weight). Each variant recaptures the decode
 graphs; prints one JSON line per variant, with whether its greedy tokens equal the first variant's."""
 import json
 import sys
@@ -17,13 +18,14 @@ from fuselab.engine.cuda_graphs import DecodeGraphs
 
 
 def main() -> None:
-    preset, batch, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    preset, _, quantization = sys.argv[1].partition(":")
+    batch, rounds = int(sys.argv[2]), int(sys.argv[3])
     variants = sys.argv[4:]
     prompt_len, new = 128, 256
     start = time.perf_counter()
     blocks_per_seq = -(-(prompt_len + new + 1) // BLOCK_SIZE) + 1
     llm = build_llm(preset, "graphs", batch, prompt_len + new + 2 * BLOCK_SIZE, BLOCK_SIZE * batch * blocks_per_seq,
-                    None)
+                    quantization or None)
     prompts = _prompts(batch, prompt_len, llm.config.vocab_size)
     runner = llm.runner
     build_s = time.perf_counter() - start
@@ -47,7 +49,7 @@ def main() -> None:
         if reference is None:
             reference = tokens
         rates = [decode_rate(batch, new, generate(1)[0], generate(new)[0]) for _ in range(rounds)]
-        print(json.dumps({"variant": variant, "preset": preset, "batch": batch,
+        print(json.dumps({"variant": variant, "preset": preset, "format": quantization or "bf16", "batch": batch,
                           "rates": [round(r, 2) for r in rates], "median": round(sorted(rates)[len(rates) // 2], 2),
                           "same_tokens": tokens == reference, "capture_s": round(capture_s, 1),
                           "build_s": round(build_s, 1)}), flush=True)
