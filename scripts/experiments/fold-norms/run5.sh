@@ -8,10 +8,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv > $OUT/env
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> $OUT/env.txt
 left() { [ $(( $(date +%s) - S + T )) -lt ${LIMIT:-560} ]; }
 ab() { left || { echo "skip ab $*"; return; }
-  timeout $T python3 scripts/experiments/fold-norms/ab_pairs.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 1 $r/rates.err; }
-T=70 ab llama3-1b 1 3 paired split paired split
-T=100 ab llama3-8b 1 3 paired split paired
-T=100 ab llama3-8b 64 3 paired split
+  timeout $T python3 scripts/experiments/fold-norms/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 1 $r/rates.err; }
+T=70 ab llama3-1b 1 3 folded split folded split
+T=100 ab llama3-8b 1 3 folded split folded
+T=100 ab llama3-8b 64 3 folded split
 python3 -c "
 import json
 for l in open('$r/rates.jsonl'):
