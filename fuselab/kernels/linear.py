@@ -139,6 +139,9 @@ def gemv_blocks(k: int) -> tuple[int, int]:
 def gemv_pair_blocks(k: int) -> tuple[int, int, int]:
     """(rows, columns a step, warps) for a weight of (gate, up) row pairs: one pair a program, a row of up to
     4096 in one step, as `gemv_blocks` reads one row of 4096 (over twice the warps for the pair)."""
+    import os  # experiment (removed next): FUSELAB_PAIR_BLOCKS="rows,block_k,warps"
+    if os.environ.get("FUSELAB_PAIR_BLOCKS"):
+        return tuple(int(v) for v in os.environ["FUSELAB_PAIR_BLOCKS"].split(","))
     if k > 4096:
         return 2, 2048, NUM_WARPS
     block_k = next_power_of_2(k)

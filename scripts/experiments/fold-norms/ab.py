@@ -70,6 +70,12 @@ def main() -> None:
 
     reference = None
     for variant in variants:
+        variant, _, blocks = variant.partition("@")  # experiment: folded@rows,block_k,warps for the paired GEMV
+        if blocks:
+            import os
+            from fuselab.kernels import linear as gemv
+            os.environ["FUSELAB_PAIR_BLOCKS"] = blocks
+            gemv._gemv_launcher.cache_clear()
         model.norms_folded = variant != "norms"
         set_gate_up_layout(model, variant != "split", built_ops)
         t = time.perf_counter()
@@ -82,7 +88,7 @@ def main() -> None:
         if reference is None:
             reference = tokens
         rates = [decode_rate(batch, new, generate(1)[0], generate(new)[0]) for _ in range(rounds)]
-        print(json.dumps({"variant": variant, "preset": preset, "format": quantization or "bf16", "batch": batch,
+        print(json.dumps({"variant": variant + ("@" + blocks if blocks else ""), "preset": preset, "format": quantization or "bf16", "batch": batch,
                           "new_tokens": new, "rates": [round(r, 2) for r in rates],
                           "median": round(sorted(rates)[len(rates) // 2], 2), "same_tokens": tokens == reference,
                           "capture_s": round(capture_s, 1), "build_s": round(build_s, 1)}), flush=True)
