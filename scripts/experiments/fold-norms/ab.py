@@ -73,7 +73,8 @@ def main() -> None:
         variant, _, blocks = variant.partition("@")  # experiment: folded@rows,block_k,warps for the paired GEMV
         if blocks:
             import os
-            from fuselab.kernels import linear as gemv
+            import importlib
+            gemv = importlib.import_module("fuselab.kernels.linear")
             os.environ["FUSELAB_PAIR_BLOCKS"] = blocks
             gemv._gemv_launcher.cache_clear()
         model.norms_folded = variant != "norms"
