@@ -8,9 +8,11 @@ import json
 import random
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from engine_checkpoints import ARCHITECTURES, build_hf_model, hf_greedy, save_checkpoint
+from fuselab import kernels
 from fuselab.engine import LLM, SamplingParams
 
 PROMPT_LENGTHS = (1, 7, 33, 70)
@@ -72,12 +74,20 @@ def test_one_row_decode_with_the_norms_folded_matches_transformers(checkpoints, 
     expected = hf_greedy(hf_model, prompt, 6)
     folded_calls, forward_folded = [], DecoderLayer.forward_folded
     monkeypatch.setattr(DecoderLayer, "forward_folded", lambda *a: folded_calls.append(1) or forward_folded(*a))
+    swiglu_gemvs, rms_linear_swiglu = [], kernels.rms_linear_swiglu
+    monkeypatch.setattr(kernels, "rms_linear_swiglu", lambda *a: swiglu_gemvs.append(1) or rms_linear_swiglu(*a))
     llm = LLM(path, mode="fused", dtype="float32", max_model_len=64)
     layers = llm.model.model.layers
     assert llm.model.norms_folded and all((layer.input_layernorm.weight == 1).all() for layer in layers)
+    # gate/up stored as (gate, up) row pairs: gate row i, then up row i, of transformers' weights times g.
+    mlp, hf_layer = layers[0].mlp, hf_model.model.layers[0]
+    g = hf_layer.post_attention_layernorm.weight.detach()
+    assert torch.allclose(mlp.gate_up_proj.weight[0::2].cpu(), hf_layer.mlp.gate_proj.weight.detach() * g)
+    assert torch.allclose(mlp.gate_up_proj.weight[1::2].cpu(), hf_layer.mlp.up_proj.weight.detach() * g)
     outputs = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))
     assert outputs[0].token_ids == expected
     assert len(folded_calls) == 5 * len(layers)  # every decode step (the first token is the prefill's)
+    assert len(swiglu_gemvs) == 5 * len(layers)  # the norm, gate/up and SwiGLU in one op a layer
 
 
 def test_eager_mode_keeps_the_norms_weights(checkpoints):

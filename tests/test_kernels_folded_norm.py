@@ -1,13 +1,22 @@
 """The ops a decode row runs once the norms' weights are folded into the projections after them:
 `linear(..., residual=)` (the residual add in the GEMV's epilogue), `rms_linear` (the norm's 1 / rms taken
-in the GEMV's pass over x) and `rms_silu_and_mul` (taken in the SwiGLU), against float64 references."""
+in the GEMV's pass over x), `rms_silu_and_mul` (taken in the SwiGLU) and `rms_linear_swiglu` (the norm, the
+gate/up projection over (gate, up) row pairs and the SwiGLU in one GEMV), against float64 references."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_checks import DTYPES, assert_close, kernel_module
 
-from fuselab.kernels import linear, reference, rms_linear, rms_norm, rms_silu_and_mul
+from fuselab.kernels import (
+    linear,
+    reference,
+    rms_linear,
+    rms_linear_swiglu,
+    rms_norm,
+    rms_silu_and_mul,
+    silu_and_mul,
+)
 
 gemv = kernel_module("linear")
 
@@ -105,6 +114,59 @@ def test_rms_silu_and_mul_is_the_swiglu_of_the_normalized_projection(device):
     assert_close(rms_silu_and_mul(F.linear(h, w * g), h, 1e-5), unfolded, torch.float32, scale=4.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pairs, k", [(1, 3), (37, 1000), (64, 2048), (5, 4096), (3, 4097)])
+def test_rms_linear_swiglu_at_one_row_is_one_gemv_and_matches_the_reference(device, dtype, pairs, k, monkeypatch):
+    calls = _counting_gemv(monkeypatch)
+    x = _randn((1, k), dtype, device, k, scale=3.0)
+    w = _randn((2 * pairs, k), dtype, device, pairs, scale=2 * k**-0.5)
+    got = rms_linear_swiglu(x, w, 1e-5)
+    assert got.shape == (1, pairs) and got.dtype == dtype
+    assert_close(got, reference.rms_linear_swiglu(x.double(), w.double(), 1e-5), dtype, scale=4.0)
+    assert [(c.get("rms_eps"), c.get("swiglu")) for c in calls] == [(1e-5, True)]
+
+
+def test_rms_linear_swiglu_at_one_row_runs_the_gemv_even_where_cublas_would_fill_the_gpu(device, monkeypatch):
+    # A gate/up projection has more rows than linear leaves to the GEMV (64 an SM): the fused SwiGLU keeps it.
+    calls = _counting_gemv(monkeypatch)
+    monkeypatch.setattr(gemv, "_few_rows_for_cublas", lambda n, device: False)
+    x, w = _randn((1, 64), torch.float32, device, 1), _randn((32, 64), torch.float32, device, 2)
+    assert_close(rms_linear_swiglu(x, w), reference.rms_linear_swiglu(x.double(), w.double()), torch.float32)
+    assert len(calls) == 1
+    linear(x, w)
+    assert len(calls) == 1  # linear itself leaves such a matrix to cuBLAS
+
+
+def test_rms_linear_swiglu_is_the_unfolded_mlp_input_over_paired_rows(device):
+    # RMSNorm(h) with weight g, a [gate | up] projection and its SwiGLU, against g folded into W and W's rows
+    # paired (gate row i, then up row i): what fold_norms makes of a model's post-attention norm and gate/up.
+    h, g = _randn((1, 48), torch.float32, device, 1, 3.0), _randn((48,), torch.float32, device, 2)
+    w = _randn((64, 48), torch.float32, device, 3)  # [gate | up], 32 each
+    unfolded = reference.gate_up_swiglu(reference.rms_norm(h.double(), g.double(), 1e-5), w.double())
+    gate, up = (w * g).chunk(2)
+    paired = torch.stack((gate, up), 1).flatten(0, 1)
+    assert_close(rms_linear_swiglu(h, paired, 1e-5), unfolded, torch.float32, scale=4.0)
+    assert_close(rms_linear_swiglu(h.expand(3, 48), paired, 1e-5), unfolded.expand(3, 32), torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 2 * 1500), (2, 5, 2 * 33)])
+def test_silu_and_mul_over_pairs_matches_the_reference(device, dtype, shape):
+    x = _randn(shape, dtype, device, shape[-1], scale=3.0)
+    got = silu_and_mul(x, pairs=True)
+    assert got.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
+    assert_close(got, reference.silu_and_mul(x.double(), pairs=True), dtype)
+    gate, up = x[..., 0::2], x[..., 1::2]
+    assert_close(got, reference.swiglu(gate.double(), up.double()), dtype)
+
+
+def test_silu_and_mul_over_pairs_with_autograd_is_differentiable(device):
+    x = _randn((2, 8), torch.float32, device, 1).requires_grad_(True)
+    silu_and_mul(x, pairs=True).sum().backward()
+    expected = torch.autograd.grad(reference.silu_and_mul(x, pairs=True).sum(), x)[0]
+    assert_close(x.grad, expected.double(), torch.float32)
+
+
 def test_bad_inputs_name_the_argument(device):
     x, w = torch.zeros(1, 8, device=device), torch.zeros(4, 8, device=device)
     with pytest.raises(ValueError, match="residual must have the output's shape \\(1, 4\\)"):
@@ -129,3 +191,15 @@ def test_bad_inputs_name_the_argument(device):
         rms_silu_and_mul(x, x, float("nan"))
     with pytest.raises(ValueError, match="for inference"):
         rms_silu_and_mul(x.clone().requires_grad_(True), x)
+    with pytest.raises(ValueError, match="out_features must be even, got 3"):
+        rms_linear_swiglu(x, torch.zeros(3, 8, device=device))
+    with pytest.raises(ValueError, match="x's last dim \\(8\\) must equal weight's in_features \\(5\\)"):
+        rms_linear_swiglu(x, torch.zeros(4, 5, device=device))
+    with pytest.raises(TypeError, match="x has dtype torch.float32 but weight has dtype torch.float16"):
+        rms_linear_swiglu(x, w.half())
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        rms_linear_swiglu(x, w, -1.0)
+    with pytest.raises(TypeError, match="pairs must be a bool, got str"):
+        silu_and_mul(x, pairs="yes")
+    with pytest.raises(ValueError, match="must be even"):
+        silu_and_mul(torch.zeros(1, 7, device=device), pairs=True)

@@ -20,7 +20,7 @@ from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.cross_entropy import cross_entropy
 from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
 from fuselab.kernels.layer_norm import layer_norm
-from fuselab.kernels.linear import linear, rms_linear
+from fuselab.kernels.linear import linear, rms_linear, rms_linear_swiglu
 from fuselab.kernels.rms_norm import rms_norm
 from fuselab.kernels.rope import apply_rope
 from fuselab.kernels.rope_store import bind_rope_and_store_kv, rope_and_store_kv
@@ -52,6 +52,7 @@ __all__ = [
     "quantize_weight",
     "quantized_linear",
     "rms_linear",
+    "rms_linear_swiglu",
     "rms_norm",
     "rms_silu_and_mul",
     "rope_and_store_kv",

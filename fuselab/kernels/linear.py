@@ -31,6 +31,7 @@ from fuselab.kernels._common.validate import (
     on_kernel_device,
 )
 from fuselab.kernels.rms_norm import rms_norm
+from fuselab.kernels.swiglu import silu_and_mul
 
 # --------------------------------------------------------------------------------------------
 # Triton kernel
@@ -40,8 +41,9 @@ from fuselab.kernels.rms_norm import rms_norm
 @triton.jit
 def _gemv_kernel(
     X, W, B, R, Y, N, K, stride_wn, eps,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, SWIGLU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -92,7 +94,15 @@ def _gemv_kernel(
     if HAS_RESIDUAL:
         # Rounded before the add, as a separate add after the projection would see it.
         y = y.to(Y.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
+    if SWIGLU:
+        # W's rows are (gate, up) pairs: each pair's two sums, rounded as the projection's output would be,
+        # make one output of silu(gate) · up.
+        y = y.to(Y.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        outs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + outs, (gate * tl.sigmoid(gate) * up).to(Y.dtype.element_ty), mask=outs < N // 2)
+    else:
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,14 +136,25 @@ def gemv_blocks(k: int) -> tuple[int, int]:
     return (1 if block_k > 2048 else 2), block_k
 
 
+def gemv_pair_blocks(k: int) -> tuple[int, int, int]:
+    """(rows, columns a step, warps) for a weight of (gate, up) row pairs: one pair a program, a row of up to
+    4096 in one step, as `gemv_blocks` reads one row of 4096 (over twice the warps for the pair)."""
+    if k > 4096:
+        return 2, 2048, NUM_WARPS
+    block_k = next_power_of_2(k)
+    return 2, block_k, (2 * NUM_WARPS if block_k > 2048 else NUM_WARPS)
+
+
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None = None, rms_eps: float | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, rms_eps: float | None = None,
+                swiglu: bool = False) -> torch.Tensor:
     """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride;
-    `residual` [..., N] is added to the rounded y, and with `rms_eps` y is scaled by 1 / rms(x)."""
+    `residual` [..., N] is added to the rounded y, and with `rms_eps` y is scaled by 1 / rms(x). With
+    `swiglu`, W's rows are (gate, up) pairs and y [..., N / 2] is silu(gate) · up of each pair."""
     n, k = weight.shape
     x_shape = x.shape
-    y = x.new_empty(*x_shape[:-1], n)  # x's dtype and device
-    grid, launcher = _gemv_launcher(n, k, bias is not None, residual is not None, rms_eps is not None,
+    y = x.new_empty(*x_shape[:-1], n // 2 if swiglu else n)  # x's dtype and device
+    grid, launcher = _gemv_launcher(n, k, bias is not None, residual is not None, rms_eps is not None, swiglu,
                                     use_pdl(x.device))
     # Unused slots are None (no bias, no residual) or 0.0 (eps), compiled out by the flags.
     launcher(grid, x, weight, bias, residual, y, n, k, weight.stride()[0], 0.0 if rms_eps is None else rms_eps)
@@ -141,14 +162,14 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 @functools.cache
-def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale: bool,
+def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale: bool, swiglu: bool,
                    pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
     """(grid, the kernel with its compile-time arguments and launch options) for a weight [n, k], once per shape."""
-    block_n, block_k = gemv_blocks(k)
+    block_n, block_k, warps = gemv_pair_blocks(k) if swiglu else (*gemv_blocks(k), NUM_WARPS)
     return (cdiv(n, block_n),), prepare(
-        _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl, num_warps=NUM_WARPS,
-        num_stages=1, launch_pdl=pdl)
+        _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, SWIGLU=swiglu,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl,
+        num_warps=warps, num_stages=1, launch_pdl=pdl)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,10 +221,12 @@ def _check_residual(residual: object, x: torch.Tensor, weight: torch.Tensor) -> 
         raise TypeError(f"residual must be {x.dtype} on {x.device} like x, got {residual.dtype} on {residual.device}")
 
 
-def _runs_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _runs_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, any_rows: bool = False) -> bool:
+    """One row of x that the GEMV takes; with `any_rows`, whatever W's row count (the op it fuses is worth more
+    than cuBLAS's better reading of a matrix that fills the GPU)."""
     w_shape, numel = weight.shape, x.numel()
     return (numel != 0 and 0 not in w_shape and weight.stride()[1] == 1 and numel == x.shape[-1]
-            and _few_rows_for_cublas(w_shape[0], x.device) and not needs_autograd(x, weight, bias))
+            and (any_rows or _few_rows_for_cublas(w_shape[0], x.device)) and not needs_autograd(x, weight, bias))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -247,3 +270,25 @@ def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if x.stride()[-1] != 1:
         x = x.contiguous()
     return gemv_launch(x, weight, None if bias is None else contiguous(bias), rms_eps=eps)
+
+
+def rms_linear_swiglu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`silu_and_mul(rms_linear(x, weight, eps), pairs=True)`: a Llama MLP's gate/up projection of RMSNorm(x)
+    and its SwiGLU, for a weight [2I, K] whose rows are (gate, up) pairs (gate row i, then up row i) with the
+    norm's weight folded in; returns [..., I].
+
+    At one row the Triton GEMV gives each program one pair of rows and writes silu(gate) · up itself: the
+    norm, the projection and the SwiGLU are one kernel; elsewhere rms_linear, then the SwiGLU kernel.
+    """
+    if not _inputs_ok(x, weight, None):
+        check_linear_inputs(x, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight's rows are (gate, up) pairs: out_features must be even, got {weight.shape[0]}")
+    if not (type(eps) is float and eps >= 0):
+        check_eps(eps)
+        eps = float(eps)
+    if not _runs_gemv(x, weight, None, any_rows=True):
+        return silu_and_mul(F.linear(rms_norm(x, x.new_ones(x.shape[-1]), eps), weight), pairs=True)
+    if x.stride()[-1] != 1:
+        x = x.contiguous()
+    return gemv_launch(x, weight, None, rms_eps=eps, swiglu=True)

@@ -88,10 +88,15 @@ def rms_silu_and_mul(x: torch.Tensor, h: torch.Tensor, eps: float = 1e-6) -> tor
     return silu_and_mul(_upcast(x) * _rms_factor(h, eps)).to(x.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """vLLM's SiluAndMul: the last dim holds [gate, up]."""
-    gate, up = x.chunk(2, dim=-1)
+def silu_and_mul(x: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """vLLM's SiluAndMul: the last dim holds [gate, up]; with `pairs`, (gate, up) pairs side by side."""
+    gate, up = x.unflatten(-1, (-1, 2)).unbind(-1) if pairs else x.chunk(2, dim=-1)
     return swiglu(gate, up)
+
+
+def rms_linear_swiglu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """rms_linear over a weight of (gate, up) row pairs, then their SwiGLU."""
+    return silu_and_mul(rms_linear(x, weight, eps), pairs=True)
 
 
 def gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 `swiglu(gate, up)` takes the two projections as separate tensors (Hugging Face's LlamaMLP);
 `silu_and_mul(x)` takes them side by side in the last dim, [gate | up] (vLLM's merged gate_up
-projection), and reads both halves in place without splitting x; `rms_silu_and_mul(x, h)` also takes
-the RMSNorm factor of the h that x was projected from, when the norm's weight lives in the projection.
+projection), and reads both halves in place without splitting x, or with `pairs=True` (gate, up) pairs
+side by side, [g0, u0, g1, u1, ...]; `rms_silu_and_mul(x, h)` also takes the RMSNorm factor of the h that x
+was projected from, when the norm's weight lives in the projection.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def _swiglu_flat_forward_kernel(G, U, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.con
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     y = g * tl.sigmoid(g) * u
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_pairs_kernel(X, Y, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    # (gate, up) pairs side by side: 2·BLOCK contiguous inputs make BLOCK outputs; int32 offsets (2n < 2³¹).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
+    start = tl.program_id(0) * BLOCK
+    ins = 2 * start + tl.arange(0, 2 * BLOCK)
+    v = tl.load(X + ins, mask=ins < 2 * n, other=0.0).to(tl.float32)
+    g, u = tl.split(tl.reshape(v, [BLOCK, 2]))
+    offs = start + tl.arange(0, BLOCK)
+    tl.store(Y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=offs < n)
 
 
 @triton.jit
@@ -178,6 +193,17 @@ def silu_and_mul_forward(x: torch.Tensor) -> torch.Tensor:
     return swiglu_forward(x, x, out, width, up_offset=half)
 
 
+def silu_and_mul_pairs_forward(x: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    n = out.numel()
+    if n == 0:
+        return out
+    pdl = use_pdl(out.device)
+    launch(_silu_and_mul_pairs_kernel, (cdiv(n, _FLAT_BLOCK),), x, out, n, BLOCK=_FLAT_BLOCK, USE_PDL=pdl,
+           num_warps=_NUM_WARPS, launch_pdl=pdl)
+    return out
+
+
 def rms_silu_and_mul_forward(x: torch.Tensor, h: torch.Tensor, eps: float) -> torch.Tensor:
     half = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], half)
@@ -242,14 +268,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return swiglu_forward(gate, up, torch.empty_like(gate), gate.shape[-1])
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """For x = [gate | up] along the last dim (2H wide), returns silu(gate) · up (H wide)."""
-    if not (float_tensor_ok(x) and x.dim() > 0 and x.shape[-1] % 2 == 0):
+def silu_and_mul(x: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """For x = [gate | up] along the last dim (2H wide), returns silu(gate) · up (H wide); with `pairs`, x's
+    last dim holds (gate, up) pairs, [g0, u0, g1, u1, ...] (a projection whose weight rows are so paired)."""
+    if not (float_tensor_ok(x) and x.dim() > 0 and x.shape[-1] % 2 == 0 and type(pairs) is bool):
         check_float_tensor("x", x)  # the checks one by one, which name what is wrong
         check_at_least_1d("x", x)
         if x.shape[-1] % 2:
             raise ValueError(f"x's last dim holds [gate | up] and must be even, got {x.shape[-1]}")
+        raise TypeError(f"pairs must be a bool, got {type(pairs).__name__}")
     x = contiguous(x)
+    if pairs:
+        if needs_autograd(x):  # inference-only kernel: the differentiable torch form
+            gate, up = x.unflatten(-1, (-1, 2)).unbind(-1)
+            return torch.nn.functional.silu(gate) * up
+        return silu_and_mul_pairs_forward(x)
     if needs_autograd(x):
         return SiluAndMulFunction.apply(x)
     return silu_and_mul_forward(x)

@@ -1,35 +1,67 @@
-"""A/B in one process: a one-row decode step with the norms folded (no norm kernel) against the norm kernels.
+"""A/B in one process: one-row decode steps of one model, over the same weights, each variant recapturing the
+decode graphs.
 
 Usage: ab.py PRESET[:QUANTIZATION] BATCH ROUNDS VARIANT [VARIANT ...]
-VARIANT: "folded" (model.norms_folded = True: DecoderLayer.forward_folded) or "norms" (False: the add + RMSNorm
-kernels, over the same folded weights, whose norms then have weights of ones; a quantized model's weights are
-not folded: its one-row kernels take the norm's weight). Each variant recaptures the decode
-graphs; prints one JSON line per variant, with whether its greedy tokens equal the first variant's."""
+VARIANT:
+- "folded": as built (model.norms_folded = True: DecoderLayer.forward_folded; a float model's gate/up as (gate, up)
+  row pairs, whose one-row step runs the norm, the projection and the SwiGLU as one GEMV);
+- "norms": the add + RMSNorm kernels (norms_folded = False) over the same folded weights, whose norms then have
+  weights of ones; a quantized model's weights are not folded: its one-row kernels take the norm's weight;
+- "split": folded, with a float model's gate/up back in the layout before the pairs (in-major [gate | up]: cuBLAS,
+  then the SwiGLU with h's 1 / rms).
+Batch 1 decodes 256 new tokens, larger batches 128. Prints one JSON line per variant, with whether its greedy
+tokens equal the first variant's."""
 import json
 import sys
 import time
 
 import torch
+from torch import nn
 
 from fuselab.bench.decode import BLOCK_SIZE, _prompts, build_llm
 from fuselab.bench.decode_rounds import decode_rate
 from fuselab.engine import SamplingParams
 from fuselab.engine.cuda_graphs import DecodeGraphs
+from fuselab.engine.model import GRAPH_OPS
+
+
+@torch.no_grad()
+def set_gate_up_layout(model, paired: bool, paired_ops) -> None:
+    """A float model's gate/up weights as (gate, up) row pairs with `paired_ops`, or in-major [gate | up] with
+    GRAPH_OPS; a quantized model's stay as they are."""
+    if not isinstance(model.model.layers[0].mlp.gate_up_proj, nn.Linear):
+        return
+    for layer in model.model.layers:
+        proj = layer.mlp.gate_up_proj
+        if (proj.weight.stride()[1] == 1) == paired:
+            continue
+        w = proj.weight
+        if paired:
+            gate, up = w.chunk(2)
+            proj.weight = nn.Parameter(torch.stack((gate, up), 1).flatten(0, 1))
+        else:
+            pairs = w.unflatten(0, (-1, 2))
+            proj.weight = nn.Parameter(torch.cat((pairs[:, 0], pairs[:, 1])).t().contiguous().t())
+        torch.cuda.empty_cache()
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = paired_ops if paired else GRAPH_OPS
 
 
 def main() -> None:
     preset, _, quantization = sys.argv[1].partition(":")
     batch, rounds = int(sys.argv[2]), int(sys.argv[3])
     variants = sys.argv[4:]
-    prompt_len, new = 128, 256
+    prompt_len, new = 128, (256 if batch == 1 else 128)
     start = time.perf_counter()
     blocks_per_seq = -(-(prompt_len + new + 1) // BLOCK_SIZE) + 1
     llm = build_llm(preset, "graphs", batch, prompt_len + new + 2 * BLOCK_SIZE, BLOCK_SIZE * batch * blocks_per_seq,
                     quantization or None)
     prompts = _prompts(batch, prompt_len, llm.config.vocab_size)
-    runner = llm.runner
+    runner, model = llm.runner, llm.model
+    built_ops = model.ops
     build_s = time.perf_counter() - start
-    assert llm.model.norms_folded
+    assert model.norms_folded
 
     def generate(n):
         t = time.perf_counter()
@@ -38,7 +70,8 @@ def main() -> None:
 
     reference = None
     for variant in variants:
-        llm.model.norms_folded = {"folded": True, "norms": False}[variant]
+        model.norms_folded = variant != "norms"
+        set_gate_up_layout(model, variant != "split", built_ops)
         t = time.perf_counter()
         runner.graphs = DecodeGraphs(runner._graph_step, runner.graphs.buckets, llm.device)
         with torch.inference_mode():
@@ -50,9 +83,9 @@ def main() -> None:
             reference = tokens
         rates = [decode_rate(batch, new, generate(1)[0], generate(new)[0]) for _ in range(rounds)]
         print(json.dumps({"variant": variant, "preset": preset, "format": quantization or "bf16", "batch": batch,
-                          "rates": [round(r, 2) for r in rates], "median": round(sorted(rates)[len(rates) // 2], 2),
-                          "same_tokens": tokens == reference, "capture_s": round(capture_s, 1),
-                          "build_s": round(build_s, 1)}), flush=True)
+                          "new_tokens": new, "rates": [round(r, 2) for r in rates],
+                          "median": round(sorted(rates)[len(rates) // 2], 2), "same_tokens": tokens == reference,
+                          "capture_s": round(capture_s, 1), "build_s": round(build_s, 1)}), flush=True)
 
 
 if __name__ == "__main__":
