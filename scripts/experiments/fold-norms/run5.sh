@@ -9,7 +9,7 @@ left() { [ $(( $(date +%s) - S + T )) -lt ${LIMIT:-300} ]; }
 ab() { left || { echo "skip ab $*"; return; }
   timeout $T python3 scripts/experiments/fold-norms/ab.py "$@" >> $r/rates.jsonl 2>>$r/rates.err; tail -n 1 $r/rates.err; }
 T=70 ab llama3-1b 1 3 folded split folded split
-T=90 ab llama3-8b 1 3 folded split
+T=80 ab llama3-8b 1 2 folded split
 python3 -c "
 import json
 for l in open('$r/rates.jsonl'):
