@@ -1,12 +1,14 @@
 """y = x · Wᵀ (+ b): a Triton GEMV for one row, cuBLAS for the rest; with the residual add after it, or the
-RMSNorm before it (its weight folded into W), in the GEMV's own pass at one row.
+RMSNorm before it (its weight folded into W), in the GEMV's own pass at one row; and a gate/up projection
+whose SwiGLU the GEMV takes too (`rms_linear_swiglu`).
 
 At batch 1 a projection is a matrix-vector product whose cost is one read of W. cuBLAS's batch-1
 kernels give each program 64 or more rows of W, so a matrix with fewer than ~64 × (SM count)
 rows, such as a decode step's q/k/v, output and down projections, runs on a fraction of the SMs
 and reads W well below the copy bandwidth. `_gemv_kernel` gives each program one to four rows, so even
 a 2048-row matrix spreads over 1024 programs, and was faster than cuBLAS for such projections in a decode
-step (docs/tuning/linear-constants.md); the gate/up projections, which fill the GPU anyway, stay on cuBLAS.
+step (docs/tuning/linear-constants.md). A plain gate/up projection, which fills the GPU anyway, stays on
+cuBLAS; with its norm and SwiGLU in the same GEMV it no longer does (docs/tuning/decode-step.md, section 25).
 """
 
 from __future__ import annotations
