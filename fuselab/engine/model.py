@@ -76,7 +76,9 @@ class Ops(NamedTuple):
     # a quantized one's is applied where x is rounded. None: the mode has no such step ("eager").
     linear_add: Callable | None = None  # (x, weight, residual) -> x @ weightᵀ + residual
     rms_linear: Callable | None = None  # (x, weight, eps, bias, g) -> norm(x) @ weightᵀ + bias
-    rms_gate_up_swiglu: Callable | None = None  # (h, gate/up weight, eps, g) -> silu_and_mul(norm(h) @ weightᵀ)
+    # (h, gate/up weight, eps, g) -> silu(gate) · up of norm(h) @ weightᵀ, the weight's rows (gate, up) pairs in a
+    # float model, [gate | up] in a quantized one
+    rms_gate_up_swiglu: Callable | None = None
 
 
 def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -133,8 +135,8 @@ FUSED_OPS = Ops(
     argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
     linear_add=lambda x, w, residual: kernels.linear(x, w, None, residual),  # the add in the GEMV's epilogue
     rms_linear=lambda x, w, eps, bias, g: kernels.rms_linear(x, w, eps, bias),  # x² summed in the GEMV's pass
-    # cuBLAS, then the SwiGLU with h's 1 / rms
-    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_silu_and_mul(kernels.linear(h, w), h, eps),
+    # Over the (gate, up) row pairs fold_norms stores: the norm, the projection and the SwiGLU in one GEMV.
+    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_linear_swiglu(h, w, eps),
 )
 
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
@@ -149,11 +151,10 @@ GRAPH_OPS = FUSED_OPS._replace(
 
 
 def paired_gate_up_ops(ops: Ops) -> Ops:
-    """`ops` for a float model whose gate/up weights are (gate, up) row pairs (fold_norms): at one row the
-    norm, the projection and the SwiGLU are one GEMV (each program a pair of rows); other rows run cuBLAS
-    over the row-major weight, then the pairs' SwiGLU."""
-    return ops._replace(gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w), pairs=True),
-                        rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_linear_swiglu(h, w, eps))
+    """`ops` for a float model whose gate/up weights are (gate, up) row pairs (fold_norms): rows that are not a
+    one-row step's (whose rms_gate_up_swiglu is one GEMV) run cuBLAS over the row-major weight, then the pairs'
+    SwiGLU."""
+    return ops._replace(gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.linear(x, w), pairs=True))
 
 
 # Quantized models: linear is (x, weight: QuantizedWeight, bias=None, out=None).

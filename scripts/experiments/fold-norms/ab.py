@@ -22,13 +22,18 @@ from fuselab.bench.decode import BLOCK_SIZE, _prompts, build_llm
 from fuselab.bench.decode_rounds import decode_rate
 from fuselab.engine import SamplingParams
 from fuselab.engine.cuda_graphs import DecodeGraphs
+from fuselab import kernels
 from fuselab.engine.model import GRAPH_OPS
+
+# The step before the pairs: cuBLAS over in-major [gate | up], then the SwiGLU with h's 1 / rms.
+SPLIT_OPS = GRAPH_OPS._replace(
+    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_silu_and_mul(kernels.linear(h, w), h, eps))
 
 
 @torch.no_grad()
 def set_gate_up_layout(model, paired: bool, paired_ops) -> None:
     """A float model's gate/up weights as (gate, up) row pairs with `paired_ops`, or in-major [gate | up] with
-    GRAPH_OPS; a quantized model's stay as they are."""
+    SPLIT_OPS; a quantized model's stay as they are."""
     if not isinstance(model.model.layers[0].mlp.gate_up_proj, nn.Linear):
         return
     for layer in model.model.layers:
@@ -45,7 +50,7 @@ def set_gate_up_layout(model, paired: bool, paired_ops) -> None:
         torch.cuda.empty_cache()
     for module in model.modules():
         if hasattr(module, "ops"):
-            module.ops = paired_ops if paired else GRAPH_OPS
+            module.ops = paired_ops if paired else SPLIT_OPS
 
 
 def main() -> None:
