@@ -69,8 +69,8 @@ def _dp4a(a, b, c):
 @triton.jit
 def _gemv_a8_kernel(
     XQ, XS, Wq, S, B, R, Y, N, n_words, stride_sn, n_tiles, high_nibbles, sign_bits,
-    INT4: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    RUNS: tl.constexpr, USE_PDL: tl.constexpr,
+    INT4: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, RUNS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # A tile: BLOCK_N rows of W, a run of BLOCK_B blocks of each at a time, [BLOCK_N, BLOCK_B, 16] as the
     # fp32 GEMV's, so that a thread's 4 words (one 16-byte load) share a group and x's words.
@@ -209,6 +209,7 @@ def launch_gemv_a8(x2: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor
     launch(_gemv_a8_kernel, (min(n_tiles, per_sm * sms),),
         codes.view(torch.int32), x_scale, weight.data, weight.scales, bias, residual, y2,
         n, n_words, weight.scales.stride(0), n_tiles, HIGH_NIBBLES, SIGN_BITS,
-        INT4=int4, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        INT4=int4, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b,
+        RUNS=n_words // (16 * block_b),
         USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )

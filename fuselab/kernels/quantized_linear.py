@@ -53,7 +53,8 @@ from fuselab.kernels.rms_norm import rms_norm
 @triton.jit
 def _gemv_kernel(
     X, Wq, S, B, R, Y, N, K, n_words, stride_sn, magic, n_tiles,
-    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    FORMAT: tl.constexpr, PER_WORD: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, RUNS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # A tile: BLOCK_N rows of W, a run of BLOCK_B 16-word blocks of each at a time, [BLOCK_N,
@@ -200,7 +201,8 @@ def _launch_gemv(x2, weight, bias, y2, config=None, residual=None) -> None:
         x2, weight.data, weight.scales, bias, residual, y2, n, k, n_words,
         weight.scales.stride(0), MAGIC, n_tiles,
         FORMAT=_FORMAT_IDS[weight.fmt], PER_WORD=values_per_word(weight.fmt), GROUP=weight.group_size,
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b, RUNS=n_words // (16 * block_b),
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_B=block_b,
+        RUNS=n_words // (16 * block_b),
         EVEN_K=k % block_elements(weight.fmt) == 0, USE_PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl,
     )
 
