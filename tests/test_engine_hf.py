@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine_checkpoints import ARCHITECTURES, build_hf_model, hf_greedy, save_checkpoint
 from fuselab import kernels
+from fuselab.kernels import embedding
 from fuselab.engine import LLM, SamplingParams
 
 PROMPT_LENGTHS = (1, 7, 33, 70)
@@ -76,6 +77,11 @@ def test_one_row_decode_with_the_norms_folded_matches_transformers(checkpoints, 
     monkeypatch.setattr(DecoderLayer, "forward_folded", lambda *a: folded_calls.append(1) or forward_folded(*a))
     swiglu_gemvs, rms_linear_swiglu = [], kernels.rms_linear_swiglu
     monkeypatch.setattr(kernels, "rms_linear_swiglu", lambda *a: swiglu_gemvs.append(1) or rms_linear_swiglu(*a))
+    lookups, embedding_launch = [], embedding.embedding_launch
+    monkeypatch.setattr(embedding, "embedding_launch", lambda *a: lookups.append(1) or embedding_launch(*a))
+    final_norms, rms_linear = [], kernels.rms_linear
+    monkeypatch.setattr(kernels, "rms_linear", lambda *a, **kw: final_norms.append(kw.get("norm_weight") is not None)
+                        or rms_linear(*a, **kw))
     llm = LLM(path, mode="fused", dtype="float32", max_model_len=64)
     layers = llm.model.model.layers
     assert llm.model.norms_folded and all((layer.input_layernorm.weight == 1).all() for layer in layers)
@@ -88,6 +94,8 @@ def test_one_row_decode_with_the_norms_folded_matches_transformers(checkpoints, 
     assert outputs[0].token_ids == expected
     assert len(folded_calls) == 5 * len(layers)  # every decode step (the first token is the prefill's)
     assert len(swiglu_gemvs) == 5 * len(layers)  # the norm, gate/up and SwiGLU in one op a layer
+    assert len(lookups) == 5  # each step's token picked and its row read in one launch
+    assert final_norms.count(True) == 5  # the final norm taken by the logits projection's op
 
 
 def test_eager_mode_keeps_the_norms_weights(checkpoints):

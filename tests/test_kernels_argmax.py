@@ -163,3 +163,28 @@ def test_bad_inputs_raise_naming_the_argument(device):
         argmax(torch.empty(3, 0, device=device))
     with pytest.raises(ValueError, match="x must have at least one column"):
         argmax(torch.empty(0, 0, device=device))
+
+
+@pytest.mark.parametrize("width", [7, 5003, 2 * CHUNK + 11])
+def test_out_is_written_and_returned(device, width):
+    x = _randn((3, width), torch.bfloat16, device, seed=width)
+    tokens = torch.full((5,), -7, dtype=torch.int64, device=device)  # a wider buffer: its first 3 slots
+    got = argmax(x, counters=torch.zeros(3, dtype=torch.int32, device=device), out=tokens[:3])
+    assert got.data_ptr() == tokens.data_ptr()
+    assert tokens[:3].tolist() == reference.argmax(x).tolist() and tokens[3:].tolist() == [-7, -7]
+    assert torch.equal(argmax(x, out=torch.empty(3, dtype=torch.int64, device=device)), got)
+
+
+def test_bad_out_raises_naming_it(device):
+    x = torch.randn(3, 8, device=device)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        argmax(x, out=[0, 0, 0])
+    with pytest.raises(TypeError, match="out must be int64"):
+        argmax(x, out=torch.zeros(3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"out must have shape \(3,\)"):
+        argmax(x, out=torch.zeros(4, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="out must have a unit stride"):
+        argmax(x, out=torch.zeros(6, dtype=torch.int64, device=device)[::2])
+    elsewhere = "meta" if device.type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="out is on"):
+        argmax(x, out=torch.zeros(3, dtype=torch.int64, device=elsewhere))

@@ -74,6 +74,40 @@ def test_rms_linear_of_a_zero_row_is_zero_not_nan(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(1, 3), (130, 2048), (5, 4097), (33, 5003), (7, 8192)])
+def test_rms_linear_with_the_norms_weight_apart_matches_the_unfolded_norm(device, dtype, n, k, monkeypatch):
+    # An lm_head tied to the embedding table: the final norm's g cannot go into the shared weight.
+    calls = _counting_gemv(monkeypatch)
+    x, g = _randn((1, k), dtype, device, k, scale=3.0), _randn((k,), dtype, device, k + 1)
+    w = _randn((n, k), dtype, device, n, scale=k**-0.5)
+    expected = reference.rms_linear(x.double(), w.double(), 1e-5, None, g.double())
+    assert_close(rms_linear(x, w, 1e-5, norm_weight=g), expected, dtype, scale=4.0)
+    out = torch.full((1, n), float("nan"), dtype=dtype, device=device)
+    assert rms_linear(x, w, 1e-5, norm_weight=g, out=out) is out
+    assert_close(out, expected, dtype, scale=4.0)
+    assert [c.get("norm_weight") is not None for c in calls] == [True, True]
+
+
+def test_rms_linear_at_one_row_runs_the_gemv_even_where_cublas_would_fill_the_gpu(device, monkeypatch):
+    # The logits projection (128256 rows): the norm the GEMV takes is worth more than cuBLAS's reading.
+    calls = _counting_gemv(monkeypatch)
+    monkeypatch.setattr(gemv, "_few_rows_for_cublas", lambda n, device: False)
+    x, w = _randn((1, 64), torch.float32, device, 1), _randn((32, 64), torch.float32, device, 2)
+    assert_close(rms_linear(x, w), reference.rms_linear(x.double(), w.double()), torch.float32, scale=4.0)
+    assert len(calls) == 1
+
+
+def test_rms_linear_over_several_rows_with_the_norms_weight_and_out(device, monkeypatch):
+    monkeypatch.setattr(gemv, "gemv_launch", lambda *a, **kw: pytest.fail("the GEMV ran"))
+    x = _randn((3, 64), torch.float32, device, 1) * torch.tensor([[1.0], [10.0], [0.1]], device=device)
+    g, w = _randn((64,), torch.float32, device, 2), _randn((8, 64), torch.float32, device, 3)
+    expected = F.linear(reference.rms_norm(x.double(), g.double(), 1e-6), w.double())
+    out = torch.empty(3, 8, device=device)
+    assert rms_linear(x, w, norm_weight=g, out=out) is out
+    assert_close(out, expected, torch.float32, scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(1, 5), (130, 2048), (9, 4097)])
 def test_linear_with_residual_adds_it_to_the_rounded_projection(device, dtype, n, k, monkeypatch):
     calls = _counting_gemv(monkeypatch)
@@ -179,6 +213,18 @@ def test_bad_inputs_name_the_argument(device):
         rms_linear(x, w, -1.0)
     with pytest.raises(ValueError, match="x's last dim \\(8\\) must equal weight's in_features \\(5\\)"):
         rms_linear(x, torch.zeros(4, 5, device=device))
+    with pytest.raises(ValueError, match="norm_weight must have shape \\(8,\\)"):
+        rms_linear(x, w, norm_weight=torch.ones(4, device=device))
+    with pytest.raises(TypeError, match="norm_weight must be torch.float32"):
+        rms_linear(x, w, norm_weight=torch.ones(8, device=device, dtype=torch.float16))
+    with pytest.raises(TypeError, match="norm_weight must be a torch.Tensor"):
+        rms_linear(x, w, norm_weight=[1.0] * 8)
+    with pytest.raises(ValueError, match="out must have the result's shape \\(1, 4\\)"):
+        rms_linear(x, w, out=torch.zeros(1, 8, device=device))
+    with pytest.raises(TypeError, match="out must be torch.float32"):
+        rms_linear(x, w, out=torch.zeros(1, 4, device=device, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        rms_linear(x, w, out=torch.zeros(1, 8, device=device)[:, ::2])
     with pytest.raises(ValueError, match="must be even"):
         rms_silu_and_mul(torch.zeros(1, 7, device=device), x)
     with pytest.raises(ValueError, match="h must have x's rows \\(1,\\)"):

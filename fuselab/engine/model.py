@@ -70,7 +70,10 @@ class Ops(NamedTuple):
     # A decode step's RoPE, cache store and attention in one launch from the qkv projection's output,
     # (cos_sin, k_cache, v_cache, scale, max_seq_len, counters) -> (qkv, tables, lens) -> o; None: the two above.
     bind_rope_decode_attention: Callable | None
-    argmax: Callable  # (logits [rows, vocab], counters) -> [rows]
+    argmax: Callable  # (logits [rows, vocab], counters, out) -> [rows], into out when given
+    # (embedding table, input_ids, last_tokens, prev_rows) -> a decode step's input rows: input_ids[i]'s, or where
+    # that is negative (a token the host has not read yet) last_tokens[prev_rows[i]]'s, the step before's output
+    decode_embedding: Callable
     # A one-row decode step with the norms folded (LlamaForCausalLM.fold_norms): the residual add in the projection
     # before, the norm (x / rms(x) · g) in the op after. A float model's g is in its weights (ones here, ignored),
     # a quantized one's is applied where x is rounded. None: the mode has no such step ("eager").
@@ -79,6 +82,9 @@ class Ops(NamedTuple):
     # (h, gate/up weight, eps, g) -> silu(gate) · up of norm(h) @ weightᵀ, the weight's rows (gate, up) pairs in a
     # float model, [gate | up] in a quantized one
     rms_gate_up_swiglu: Callable | None = None
+    # (h, weight, eps, g, out) -> norm(h) · g @ weightᵀ: the final norm and the logits, g apart from the weight
+    # (which may be the embedding table's)
+    rms_logits: Callable | None = None
 
 
 def _fused_gate_up_swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -116,7 +122,9 @@ EAGER_OPS = Ops(
     prefill_attention=lambda q, k, v, cu, max_len, scale: reference.attention_varlen(q, k, v, cu, True, scale),
     bind_decode_attention=_bind_reference_decode_attention,
     bind_rope_decode_attention=None,
-    argmax=lambda logits, counters: reference.argmax(logits),
+    argmax=lambda logits, counters, out: reference.argmax(logits) if out is None else out.copy_(
+        reference.argmax(logits)),
+    decode_embedding=reference.decode_embedding,
 )
 
 FUSED_OPS = Ops(
@@ -132,11 +140,13 @@ FUSED_OPS = Ops(
         kc, vc, scale, max_len, counters=counters),
     bind_rope_decode_attention=lambda cos_sin, kc, vc, scale, max_len, counters: kernels.bind_rope_decode_attention(
         cos_sin, kc, vc, scale, max_len, counters=counters),
-    argmax=lambda logits, counters: kernels.argmax(logits, counters=counters),
+    argmax=lambda logits, counters, out: kernels.argmax(logits, counters=counters, out=out),
+    decode_embedding=kernels.decode_embedding,  # one launch for torch's where, index, cast and lookup
     linear_add=lambda x, w, residual: kernels.linear(x, w, None, residual),  # the add in the GEMV's epilogue
     rms_linear=lambda x, w, eps, bias, g: kernels.rms_linear(x, w, eps, bias),  # x² summed in the GEMV's pass
     # Over the (gate, up) row pairs fold_norms stores: the norm, the projection and the SwiGLU in one GEMV.
     rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_linear_swiglu(h, w, eps),
+    rms_logits=lambda h, w, eps, g, out: kernels.rms_linear(h, w, eps, norm_weight=g, out=out),
 )
 
 # "graphs" replays its launches at no host cost, so the kernels faster on the GPU win there: cuBLAS and
@@ -166,7 +176,8 @@ FUSED_QUANT_OPS = FUSED_OPS._replace(
     gate_up_swiglu=lambda x, w: kernels.silu_and_mul(kernels.quantized_linear(x, w)),
     linear_add=lambda x, w, residual: kernels.quantized_linear(x, w, residual=residual),
     rms_linear=lambda x, w, eps, bias, g: kernels.quantized_linear(x, w, bias, norm=(g, eps)),
-    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.silu_and_mul(kernels.quantized_linear(h, w, norm=(g, eps))))
+    rms_gate_up_swiglu=lambda h, w, eps, g: kernels.silu_and_mul(kernels.quantized_linear(h, w, norm=(g, eps))),
+    rms_logits=lambda h, w, eps, g, out: kernels.quantized_linear(h, w, None, out, norm=(g, eps)))
 GRAPH_QUANT_OPS = FUSED_QUANT_OPS._replace(bind_decode_attention=GRAPH_OPS.bind_decode_attention,
                                            bind_rope_decode_attention=GRAPH_OPS.bind_rope_decode_attention)
 
@@ -407,12 +418,17 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.bind_kv_cache(k_cache, v_cache, attention_counters)
         self.argmax_counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
-    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, input_ids: torch.Tensor, attn: AttentionMetadata,
+                pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(last layer's output, residual stream), each [T, hidden], for packed input_ids [T]; a folded
         one-row decode step returns (the residual stream, None). The final norm is compute_logits', which
-        prefill runs on its last tokens only."""
-        h, residual = self.model.embed_tokens(input_ids), None
+        prefill runs on its last tokens only. With `pending` = (last_tokens, prev_rows), a negative id is a
+        token still on the device: last_tokens[prev_rows[i]]."""
+        if pending is None:
+            h = self.model.embed_tokens(input_ids)
+        else:
+            h = self.ops.decode_embedding(self.model.embed_tokens.weight, input_ids, *pending)
+        residual = None
         if self.norms_folded and not attn.is_prefill and input_ids.shape[0] == 1:
             for layer in self.model.layers:
                 h = layer.forward_folded(h, attn)
@@ -425,19 +441,24 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor, residual: torch.Tensor | None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given."""
-        h = self.model.norm.add_and_normalize(h, residual)[0]
-        if isinstance(self.lm_head, QuantizedLinear):
-            return self.ops.linear(h, self.lm_head.weight, None, out)
+        """Logits [T, vocab] in the model's dtype from forward's output (rows of it); into `out` when given.
+        A folded step's (residual None) final norm goes into the logits projection's pass over h."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        norm = self.model.norm
+        if residual is None and self.norms_folded:
+            return self.ops.rms_logits(h, weight, norm.eps, norm.weight, out)
+        h = norm.add_and_normalize(h, residual)[0]
+        if isinstance(self.lm_head, QuantizedLinear):
+            return self.ops.linear(h, weight, None, out)
         return F.linear(h, weight) if out is None else torch.matmul(h, weight.t(), out=out)
 
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+    def greedy(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's most likely token, int64 [rows]; into `out` when given."""
         counters = self.argmax_counters
         # A warm-up may pick for more rows than a step holds: those calls take a fresh buffer.
         if counters is not None and logits.shape[0] > counters.shape[0]:
             counters = None
-        return self.ops.argmax(logits, counters)
+        return self.ops.argmax(logits, counters, out)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, max_model_len: int,

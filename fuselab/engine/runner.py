@@ -185,17 +185,13 @@ class ModelRunner:
                        tokens_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits in the model's dtype, greedy tokens) of one decode step; the step a CUDA graph
         holds. With `tokens_out`, the greedy tokens are written there (and returned)."""
-        # A row whose token the host has not read yet takes it from the previous step's output.
-        input_ids = torch.where(inputs.input_ids >= 0, inputs.input_ids, self.last_tokens[inputs.prev_rows])
         attn = AttentionMetadata(is_prefill=False, positions=inputs.positions, slot_mapping=inputs.slot_mapping,
                                  block_tables=inputs.block_tables, seq_lens=inputs.seq_lens)
         with dependent_launches():  # no kernel of a decode step writes a weight
-            h, residual = self.model(input_ids, attn)
+            # A row whose token the host has not read yet takes it from the previous step's output.
+            h, residual = self.model(inputs.input_ids, attn, (self.last_tokens, inputs.prev_rows))
             logits = self.model.compute_logits(h, residual, logits_out)
-            greedy = self.model.greedy(logits)
-        if tokens_out is None:
-            return logits, greedy
-        return logits, tokens_out.copy_(greedy)
+            return logits, self.model.greedy(logits, tokens_out)
 
     def _graph_step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step DecodeGraphs warms up (on staged padding rows: no KV stored, no context) and

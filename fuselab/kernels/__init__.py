@@ -18,6 +18,7 @@ from fuselab.kernels.attention.paged_attention import decode_attention, store_kv
 from fuselab.kernels.attention.rope_decode import bind_rope_decode_attention, rope_decode_attention
 from fuselab.kernels.bias_act import bias_act
 from fuselab.kernels.cross_entropy import cross_entropy
+from fuselab.kernels.embedding import decode_embedding
 from fuselab.kernels.gate_up_swiglu import gate_up_swiglu
 from fuselab.kernels.layer_norm import layer_norm
 from fuselab.kernels.linear import linear, rms_linear, rms_linear_swiglu
@@ -43,6 +44,7 @@ __all__ = [
     "bind_rope_decode_attention",
     "cross_entropy",
     "decode_attention",
+    "decode_embedding",
     "dependent_launches",
     "flash_attention",
     "flash_attention_varlen",

@@ -70,13 +70,13 @@ def _merge_chunks(VALUES, INDICES, base, n_chunks, n_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def _argmax_kernel(
-    X, OUT, COUNTS, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, MERGE_BLOCK: tl.constexpr,
+    X, OUT, SCRATCH, COUNTS, stride_row, n_cols, n_chunks, BLOCK: tl.constexpr, MERGE_BLOCK: tl.constexpr,
     ONE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (row, chunk) reduces columns [chunk · BLOCK, (chunk + 1) · BLOCK) of its row. Every
     # chunk holds at least one column, so the index written is always a real column. With several
-    # chunks, OUT's allocation goes on with the chunks' indices [rows, n_chunks] (int64), then their
-    # maxima (float32); with one, COUNTS is None.
+    # chunks, SCRATCH holds the chunks' indices [rows, n_chunks] (int64), then their maxima (float32);
+    # with one, SCRATCH and COUNTS are None.
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the kernel before may still be running: wait for its output
         tl.extra.cuda.gdc_launch_dependents()  # its inputs are ready: the next kernel may launch
@@ -90,7 +90,7 @@ def _argmax_kernel(
         tl.store(OUT + row, index.to(tl.int64))  # the chunk's index is the row's answer
     else:
         base = row * n_chunks
-        INDICES = OUT + tl.num_programs(0)
+        INDICES = SCRATCH
         VALUES = (INDICES + tl.num_programs(0).to(tl.int64) * n_chunks).to(tl.pointer_type(tl.float32), bitcast=True)
         tl.store(INDICES + base + chunk, index.to(tl.int64))
         tl.store(VALUES + base + chunk, value)
@@ -117,25 +117,35 @@ CHUNK_WARPS = 8  # 16 elements a thread at CHUNK = 4096: 16-byte vector loads, n
 MAX_MERGE_BLOCK = 1024
 
 
-def argmax_launch(x: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_launch(x: torch.Tensor, counters: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on a [rows, cols] tensor with cols >= 1 and a unit column stride. counters: as
-    argmax's, or None for a fresh zeroed buffer where a row takes several chunks."""
+    argmax's, or None for a fresh zeroed buffer where a row takes several chunks; out: int64 [rows],
+    unit stride, or None for a new tensor."""
     rows, n_cols = x.shape
     chunk = CHUNK
     n_chunks = cdiv(n_cols, chunk)
+    scratch = None
     if n_chunks == 1 or rows == 0:
-        out = x.new_empty(rows, dtype=torch.int64)
+        if out is None:
+            out = x.new_empty(rows, dtype=torch.int64)
         if rows == 0:
             return out
         counters = None  # the one chunk's program writes the output: no ticket, no scratch
     else:
-        # One allocation: the output, then the chunks' indices (int64) and maxima (float32, two to a slot).
         n_parts = rows * n_chunks
-        out = x.new_empty(rows + n_parts + cdiv(n_parts, 2), dtype=torch.int64).as_strided((rows,), (1,))
+        # The chunks' indices (int64), then their maxima (float32, two to a slot); after the output when
+        # the output is ours, in one allocation.
+        width = n_parts + cdiv(n_parts, 2)
+        if out is None:
+            out = x.new_empty(rows + width, dtype=torch.int64)
+            out, scratch = out[:rows], out[rows:]
+        else:
+            scratch = x.new_empty(width, dtype=torch.int64)
         if counters is None:
             counters = torch.zeros(rows, dtype=torch.int32, device=x.device)
     launcher = _argmax_launcher(chunk, n_chunks, MAX_MERGE_BLOCK, use_pdl(x.device))
-    launcher((rows, n_chunks), x, out, counters, x.stride()[0], n_cols, n_chunks)
+    launcher((rows, n_chunks), x, out, scratch, counters, x.stride()[0], n_cols, n_chunks)
     return out
 
 
@@ -151,8 +161,10 @@ def _argmax_launcher(chunk: int, n_chunks: int, max_merge_block: int, pdl: bool)
 # --------------------------------------------------------------------------------------------
 
 
-def argmax(x: torch.Tensor, *, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """Index of the largest value in each row of a 2-D `x` [rows, cols]: int64 [rows] on x's device.
+def argmax(x: torch.Tensor, *, counters: torch.Tensor | None = None, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """Index of the largest value in each row of a 2-D `x` [rows, cols]: int64 [rows] on x's device,
+    written into `out` (int64 [rows], unit stride, on x's device) when given, and returned.
 
     Matches torch.argmax(x, dim=-1): ties go to the smallest index, NaN counts as the largest value
     (the first NaN's index), and a row of -inf gives 0. Rows may be strided (a view into a wider
@@ -173,6 +185,21 @@ def argmax(x: torch.Tensor, *, counters: torch.Tensor | None = None) -> torch.Te
         raise ValueError(f"x must have at least one column to take the argmax of, got shape {tuple(x.shape)}")
     if counters is not None and not counters_ok(counters, shape[0], x.device):
         check_counters(counters, shape[0], x.device)
+    if out is not None and not (isinstance(out, torch.Tensor) and out.dtype is torch.int64
+                                and out.shape == shape[:1] and out.stride() == (1,) and out.device == x.device):
+        _check_out(out, shape[0], x.device)
     if x.stride()[1] != 1 and shape[0] > 0:
         x = x.contiguous()
-    return argmax_launch(x, counters)
+    return argmax_launch(x, counters, out)
+
+
+def _check_out(out: object, rows: int, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != torch.int64:
+        raise TypeError(f"out must be int64, got {out.dtype}")
+    if out.shape != (rows,):
+        raise ValueError(f"out must have shape ({rows},), one index a row of x, got {tuple(out.shape)}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but x is on {device}")
+    raise ValueError(f"out must have a unit stride, got {out.stride()}")

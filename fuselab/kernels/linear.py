@@ -42,8 +42,9 @@ from fuselab.kernels.swiglu import silu_and_mul
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, R, Y, N, K, stride_wn, eps,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, SWIGLU: tl.constexpr,
+    X, W, B, R, G, Y, N, K, stride_wn, eps,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr, NORM_WEIGHT: tl.constexpr,
+    SWIGLU: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -61,7 +62,10 @@ def _gemv_kernel(
         res = tl.load(R + rows, mask=row_ok, other=0.0)  # requested now, used after the loop
     x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
     # Products summed across K once, after the loop: the loop body is a multiply-add per element.
-    acc = w.to(tl.float32) * x[None, :]
+    if NORM_WEIGHT:  # the norm's weight, not folded into W: x · g is what W multiplies
+        acc = w.to(tl.float32) * (x * tl.load(G + ks, mask=k_ok, other=0.0).to(tl.float32))[None, :]
+    else:
+        acc = w.to(tl.float32) * x[None, :]
     if RMS_SCALE:
         # x's sum of squares, in the same pass: the norm's factor without a pass of its own. A row of one
         # block is summed at once, so that no vector of squares holds registers beside the products.
@@ -75,11 +79,18 @@ def _gemv_kernel(
             if EVEN_K:
                 x = tl.load(X + k0 + ks).to(tl.float32)
                 w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+                if NORM_WEIGHT:
+                    g = tl.load(G + k0 + ks).to(tl.float32)
             else:
                 k_ok = k0 + ks < K
                 x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
                 w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+                if NORM_WEIGHT:
+                    g = tl.load(G + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM_WEIGHT:
+                acc += w.to(tl.float32) * (x * g)[None, :]
+            else:
+                acc += w.to(tl.float32) * x[None, :]
             if RMS_SCALE:
                 sq += x * x
     if USE_PDL:
@@ -149,28 +160,31 @@ def gemv_pair_blocks(k: int) -> tuple[int, int, int]:
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 residual: torch.Tensor | None = None, rms_eps: float | None = None,
-                swiglu: bool = False) -> torch.Tensor:
+                swiglu: bool = False, norm_weight: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] for x with one row of K contiguous elements and weight [N, K] with unit column stride;
-    `residual` [..., N] is added to the rounded y, and with `rms_eps` y is scaled by 1 / rms(x). With
-    `swiglu`, W's rows are (gate, up) pairs and y [..., N / 2] is silu(gate) · up of each pair."""
+    `residual` [..., N] is added to the rounded y, and with `rms_eps` y is scaled by 1 / rms(x), x first
+    multiplied by `norm_weight` [K] where given. With `swiglu`, W's rows are (gate, up) pairs and
+    y [..., N / 2] is silu(gate) · up of each pair. Into `out` (y's shape, contiguous) when given."""
     n, k = weight.shape
     x_shape = x.shape
-    y = x.new_empty(*x_shape[:-1], n // 2 if swiglu else n)  # x's dtype and device
-    grid, launcher = _gemv_launcher(n, k, bias is not None, residual is not None, rms_eps is not None, swiglu,
-                                    use_pdl(x.device))
-    # Unused slots are None (no bias, no residual) or 0.0 (eps), compiled out by the flags.
-    launcher(grid, x, weight, bias, residual, y, n, k, weight.stride()[0], 0.0 if rms_eps is None else rms_eps)
+    y = x.new_empty(*x_shape[:-1], n // 2 if swiglu else n) if out is None else out  # x's dtype and device
+    grid, launcher = _gemv_launcher(n, k, bias is not None, residual is not None, rms_eps is not None,
+                                    norm_weight is not None, swiglu, use_pdl(x.device))
+    # Unused slots are None (no bias, no residual, no g) or 0.0 (eps), compiled out by the flags.
+    launcher(grid, x, weight, bias, residual, norm_weight, y, n, k, weight.stride()[0],
+             0.0 if rms_eps is None else rms_eps)
     return y
 
 
 @functools.cache
-def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale: bool, swiglu: bool,
-                   pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
+def _gemv_launcher(n: int, k: int, has_bias: bool, has_residual: bool, rms_scale: bool, norm_weight: bool,
+                   swiglu: bool, pdl: bool) -> tuple[tuple[int], Callable[..., None]]:
     """(grid, the kernel with its compile-time arguments and launch options) for a weight [n, k], once per shape."""
     block_n, block_k, warps = gemv_pair_blocks(k) if swiglu else (*gemv_blocks(k), NUM_WARPS)
     return (cdiv(n, block_n),), prepare(
-        _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, SWIGLU=swiglu,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl,
+        _gemv_kernel, HAS_BIAS=has_bias, HAS_RESIDUAL=has_residual, RMS_SCALE=rms_scale, NORM_WEIGHT=norm_weight,
+        SWIGLU=swiglu, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ONE_STEP=k <= block_k, USE_PDL=pdl,
         num_warps=warps, num_stages=1, launch_pdl=pdl)
 
 
@@ -223,6 +237,24 @@ def _check_residual(residual: object, x: torch.Tensor, weight: torch.Tensor) -> 
         raise TypeError(f"residual must be {x.dtype} on {x.device} like x, got {residual.dtype} on {residual.device}")
 
 
+def _check_vector(name: str, v: object, x: torch.Tensor) -> None:
+    check_float_tensor(name, v)
+    if v.shape != x.shape[-1:]:
+        raise ValueError(f"{name} must have shape ({x.shape[-1]},), one value a column of x, got {tuple(v.shape)}")
+    if v.dtype != x.dtype or v.device != x.device:
+        raise TypeError(f"{name} must be {x.dtype} on {x.device} like x, got {v.dtype} on {v.device}")
+
+
+def _check_out(out: object, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    check_float_tensor("out", out)
+    if out.shape != shape:
+        raise ValueError(f"out must have the result's shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != x.dtype or out.device != x.device:
+        raise TypeError(f"out must be {x.dtype} on {x.device} like x, got {out.dtype} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+
+
 def _runs_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, any_rows: bool = False) -> bool:
     """One row of x that the GEMV takes; with `any_rows`, whatever W's row count (the op it fuses is worth more
     than cuBLAS's better reading of a matrix that fills the GPU)."""
@@ -254,24 +286,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                        None if residual is None else contiguous(residual))
 
 
-def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x / rms(x), weight, bias)`, rms(x) = sqrt(mean(x²) + eps) over x's last dim: an RMSNorm
-    whose weight g has been folded into the projection after it (weight = W · diag(g)), in one op.
+def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, bias: torch.Tensor | None = None, *,
+               norm_weight: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x / rms(x) · g, weight, bias)`, rms(x) = sqrt(mean(x²) + eps) over x's last dim: an RMSNorm and
+    the projection after it, in one op. g is `norm_weight` [K], or, where that is None, folded into the
+    projection (weight = W · diag(g)); a weight shared with another use (an lm_head tied to the embedding
+    table) keeps its g apart. With `out` (the result's shape, x's dtype, contiguous), written there.
 
     At one row the Triton GEMV sums x² in its own pass over x and scales the projection by 1 / rms(x),
-    so the norm takes no kernel and no pass of its own; elsewhere x is normalized first, then F.linear.
+    whatever W's row count (the norm it saves is worth more than cuBLAS's better reading of a matrix that
+    fills the GPU), so the norm takes no kernel and no pass of its own; elsewhere x is normalized first,
+    then F.linear.
     """
     if not _inputs_ok(x, weight, bias):
         check_linear_inputs(x, weight, bias)
     if not (type(eps) is float and eps >= 0):
         check_eps(eps)
         eps = float(eps)
-    if not _runs_gemv(x, weight, bias):
-        return F.linear(rms_norm(x, x.new_ones(x.shape[-1]), eps), weight, bias)
+    if norm_weight is not None:
+        _check_vector("norm_weight", norm_weight, x)
+    if out is not None:
+        _check_out(out, (*x.shape[:-1], weight.shape[0]), x)
+    if not _runs_gemv(x, weight, bias, any_rows=True):
+        normed = rms_norm(x, x.new_ones(x.shape[-1]) if norm_weight is None else norm_weight, eps)
+        if out is None:
+            return F.linear(normed, weight, bias)
+        torch.matmul(normed, weight.t(), out=out)
+        return out if bias is None else out.add_(bias)
     if x.stride()[-1] != 1:
         x = x.contiguous()
-    return gemv_launch(x, weight, None if bias is None else contiguous(bias), rms_eps=eps)
+    return gemv_launch(x, weight, None if bias is None else contiguous(bias), rms_eps=eps,
+                       norm_weight=None if norm_weight is None else contiguous(norm_weight), out=out)
 
 
 def rms_linear_swiglu(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

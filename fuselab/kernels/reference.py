@@ -77,10 +77,13 @@ def _rms_factor(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """An RMSNorm without its weight, then the projection (whose weight holds the norm's)."""
-    return F.linear((_upcast(x) * _rms_factor(x, eps)).to(x.dtype), weight, bias)
+def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, bias: torch.Tensor | None = None,
+               norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """An RMSNorm, then the projection; the norm's weight is `norm_weight`, or where None held by the projection's."""
+    normed = _upcast(x) * _rms_factor(x, eps)
+    if norm_weight is not None:
+        normed = normed * _upcast(norm_weight)
+    return F.linear(normed.to(x.dtype), weight, bias)
 
 
 def rms_silu_and_mul(x: torch.Tensor, h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -111,6 +114,12 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Greedy decoding's pick: the index of each row's largest value (first of ties, first NaN)."""
     return torch.argmax(x, dim=-1)
+
+
+def decode_embedding(weight: torch.Tensor, input_ids: torch.Tensor, last_tokens: torch.Tensor,
+                     prev_rows: torch.Tensor) -> torch.Tensor:
+    """weight's rows of input_ids, a negative id standing for last_tokens[prev_rows[i]]."""
+    return F.embedding(torch.where(input_ids >= 0, input_ids, last_tokens[prev_rows]), weight)
 
 
 # --- rope, cross-entropy, adamw ---

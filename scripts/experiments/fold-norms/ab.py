@@ -8,7 +8,11 @@ VARIANT:
 - "norms": the add + RMSNorm kernels (norms_folded = False) over the same folded weights, whose norms then have
   weights of ones; a quantized model's weights are not folded: its one-row kernels take the norm's weight;
 - "split": folded, with a float model's gate/up back in the layout before the pairs (in-major [gate | up]: cuBLAS,
-  then the SwiGLU with h's 1 / rms).
+  then the SwiGLU with h's 1 / rms);
+- "ends-old": folded, with the step's ends as before the one-launch ends: torch's where / index / cast / lookup
+  for the input rows, the final RMSNorm kernel before the logits projection (cuBLAS, or the quantized kernels),
+  the argmax into a fresh tensor copied into the step's token buffer; "logits-old" and "embed-old": only the
+  logits' or only the input rows' part of it.
 Batch 1 decodes 256 new tokens, larger batches 128. Prints one JSON line per variant, with whether its greedy
 tokens equal the first variant's."""
 import json
@@ -24,10 +28,28 @@ from fuselab.engine import SamplingParams
 from fuselab.engine.cuda_graphs import DecodeGraphs
 from fuselab import kernels
 from fuselab.engine.model import GRAPH_OPS
+from fuselab.kernels import QuantizedWeight, reference
 
 # The step before the pairs: cuBLAS over in-major [gate | up], then the SwiGLU with h's 1 / rms.
 SPLIT_OPS = GRAPH_OPS._replace(
     rms_gate_up_swiglu=lambda h, w, eps, g: kernels.rms_silu_and_mul(kernels.linear(h, w), h, eps))
+
+
+def _old_logits(h, w, eps, g, out):
+    normed = kernels.rms_norm(h, g, eps)
+    if isinstance(w, QuantizedWeight):
+        return kernels.quantized_linear(normed, w, None, out)
+    return torch.matmul(normed, w.t(), out=out)
+
+
+def ends_ops(ops, variant: str):
+    """The top-level model's ops with the step's ends of `variant` (see the module's docstring)."""
+    if variant in ("ends-old", "logits-old"):
+        ops = ops._replace(rms_logits=_old_logits,
+                           argmax=lambda logits, counters, out: out.copy_(kernels.argmax(logits, counters=counters)))
+    if variant in ("ends-old", "embed-old"):
+        ops = ops._replace(decode_embedding=reference.decode_embedding)
+    return ops
 
 
 @torch.no_grad()
@@ -77,6 +99,7 @@ def main() -> None:
     for variant in variants:
         model.norms_folded = variant != "norms"
         set_gate_up_layout(model, variant != "split", built_ops)
+        model.ops = ends_ops(model.model.layers[0].ops, variant)
         t = time.perf_counter()
         runner.graphs = DecodeGraphs(runner._graph_step, runner.graphs.buckets, llm.device)
         with torch.inference_mode():
