@@ -46,7 +46,8 @@ def ends_ops(ops, variant: str):
     """The top-level model's ops with the step's ends of `variant` (see the module's docstring)."""
     if variant in ("ends-old", "logits-old"):
         ops = ops._replace(rms_logits=_old_logits,
-                           argmax=lambda logits, counters, out: out.copy_(kernels.argmax(logits, counters=counters)))
+                           argmax=lambda logits, counters, out: kernels.argmax(logits, counters=counters) if out is None
+                           else out.copy_(kernels.argmax(logits, counters=counters)))
     if variant in ("ends-old", "embed-old"):
         ops = ops._replace(decode_embedding=reference.decode_embedding)
     return ops

@@ -8,9 +8,9 @@ ab() { timeout $1 python3 scripts/experiments/fold-norms/ab.py "${@:2}" >> $r/ra
 ab 170 llama3-1b 1 3 folded ends-old folded logits-old embed-old folded
 ab 120 llama3-8b 1 2 folded ends-old folded
 ab 100 llama3-1b:int4 1 3 folded ends-old folded
-timeout 150 python3 -m pytest -q tests/test_kernels_embedding.py tests/test_kernels_argmax.py \
+[ -n "$TESTS" ] && timeout 150 python3 -m pytest -q tests/test_kernels_embedding.py tests/test_kernels_argmax.py \
   tests/test_kernels_folded_norm.py tests/test_engine_gpu.py > $r/gpu-tests.log 2>&1
-tail -3 $r/gpu-tests.log
+[ -n "$TESTS" ] && tail -3 $r/gpu-tests.log
 python3 -c "
 import json
 for l in open('$r/rates.jsonl'):
