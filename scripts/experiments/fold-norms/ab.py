@@ -13,8 +13,12 @@ VARIANT:
   for the input rows, the final RMSNorm kernel before the logits projection (cuBLAS, or the quantized kernels),
   the argmax into a fresh tensor copied into the step's token buffer; "logits-old" and "embed-old": only the
   logits' or only the input rows' part of it.
+A variant may end in "@pair=ROWS,BLOCK_K,WARPS" (the paired gate/up GEMV's tile) or "@head=ROWS,BLOCK_K,WARPS" (the
+logits GEMV's, a weight of 65,536 rows or more), the launch only: the weights stay as they are.
 Batch 1 decodes 256 new tokens, larger batches 128. Prints one JSON line per variant, with whether its greedy
 tokens equal the first variant's."""
+import functools
+import importlib
 import json
 import sys
 import time
@@ -29,6 +33,7 @@ from fuselab.engine.cuda_graphs import DecodeGraphs
 from fuselab import kernels
 from fuselab.engine.model import GRAPH_OPS
 from fuselab.kernels import QuantizedWeight, reference
+gemv = importlib.import_module("fuselab.kernels.linear")  # the module: fuselab.kernels.linear is the op
 
 # The step before the pairs: cuBLAS over in-major [gate | up], then the SwiGLU with h's 1 / rms.
 SPLIT_OPS = GRAPH_OPS._replace(
@@ -40,6 +45,25 @@ def _old_logits(h, w, eps, g, out):
     if isinstance(w, QuantizedWeight):
         return kernels.quantized_linear(normed, w, None, out)
     return torch.matmul(normed, w.t(), out=out)
+
+
+_BUILT_LAUNCHER = gemv._gemv_launcher.__wrapped__
+
+
+def set_gemv_tiles(pair: tuple | None, head: tuple | None) -> None:
+    """The float GEMV's launches with the paired gate/up's tile `pair` and the logits' `head` where given."""
+    @functools.cache
+    def launcher(n, k, has_bias, has_residual, rms_scale, norm_weight, swiglu, pdl):
+        blocks, pair_blocks, warps = gemv.gemv_blocks, gemv.gemv_pair_blocks, gemv.NUM_WARPS
+        if swiglu and pair:
+            gemv.gemv_pair_blocks = lambda k: pair
+        if not swiglu and head and n >= 65536:
+            gemv.gemv_blocks, gemv.NUM_WARPS = (lambda k: head[:2]), head[2]
+        try:
+            return _BUILT_LAUNCHER(n, k, has_bias, has_residual, rms_scale, norm_weight, swiglu, pdl)
+        finally:
+            gemv.gemv_blocks, gemv.gemv_pair_blocks, gemv.NUM_WARPS = blocks, pair_blocks, warps
+    gemv._gemv_launcher = launcher
 
 
 def ends_ops(ops, variant: str):
@@ -97,7 +121,11 @@ def main() -> None:
         return time.perf_counter() - t, outs
 
     reference = None
-    for variant in variants:
+    for name in variants:
+        variant, *tiles = name.split("@")
+        tiles = dict(t.split("=") for t in tiles)
+        set_gemv_tiles(*(tuple(int(v) for v in tiles[key].split(",")) if key in tiles else None
+                         for key in ("pair", "head")))
         model.norms_folded = variant != "norms"
         set_gate_up_layout(model, variant != "split", built_ops)
         model.ops = ends_ops(model.model.layers[0].ops, variant)
@@ -111,7 +139,7 @@ def main() -> None:
         if reference is None:
             reference = tokens
         rates = [decode_rate(batch, new, generate(1)[0], generate(new)[0]) for _ in range(rounds)]
-        print(json.dumps({"variant": variant, "preset": preset, "format": quantization or "bf16", "batch": batch,
+        print(json.dumps({"variant": name, "preset": preset, "format": quantization or "bf16", "batch": batch,
                           "new_tokens": new, "rates": [round(r, 2) for r in rates],
                           "median": round(sorted(rates)[len(rates) // 2], 2), "same_tokens": tokens == reference,
                           "capture_s": round(capture_s, 1), "build_s": round(build_s, 1)}), flush=True)
