@@ -46,7 +46,8 @@ def test_the_sweep_covers_every_public_op():
              "gate_up_swiglu",  # swept over the dtypes in test_kernels_gate_up_swiglu.py
              "bind_decode_attention", "bind_rope_and_store_kv",  # in test_kernels_bound_*.py
              "rope_decode_attention", "bind_rope_decode_attention",  # in test_kernels_rope_decode.py
-             "rms_linear", "rms_linear_swiglu", "rms_silu_and_mul"}  # in test_kernels_folded_norm.py
+             "rms_linear", "rms_linear_swiglu", "rms_silu_and_mul",  # in test_kernels_folded_norm.py
+             "decode_embedding"}  # in test_kernels_embedding.py
     not_ops = {"ATTENTION_HEAD_DIMS", "dependent_launches", "QUANT_FORMATS", "QuantizedWeight", "quantize_weight"}
     assert set(kernels.__all__) == swept | not_ops
 
