@@ -9,13 +9,11 @@ ab 200 llama3-1b 1 3 folded folded@head=4,2048,4 folded@head=4,2048,8 folded fol
   folded@head=1,2048,4 folded folded@head=16,1024,4 folded
 ab 200 llama3-1b 1 3 folded folded@pair=2,2048,8 folded@pair=4,2048,4 folded folded@pair=4,2048,8 \
   folded@pair=8,2048,8 folded folded@pair=2,2048,2 folded
-ab 150 llama3-8b 1 2 folded folded@pair=2,4096,4 folded@pair=4,4096,8 folded folded@pair=2,2048,4 folded
-timeout 60 python3 scripts/profile-decode --preset llama3-1b --mode graphs > $r/prof-llama3-1b.txt 2>&1
-timeout 90 python3 scripts/profile-decode --preset llama3-8b --mode graphs --batch 64 > $r/prof-llama3-8b-b64.txt 2>&1
+[ -z "$ONLY_1B" ] && ab 150 llama3-8b 1 2 folded folded@pair=2,4096,4 folded@pair=4,4096,8 folded folded@pair=2,2048,4 folded
+[ -z "$ONLY_1B" ] && timeout 60 python3 scripts/profile-decode --preset llama3-1b --mode graphs > $r/prof-llama3-1b.txt 2>&1
 python3 -c "
 import json
 for l in open('$r/rates.jsonl'):
     d=json.loads(l); print(d['preset'],d['variant'],d['median'],d['rates'],d['same_tokens'])"
 grep -v Warning $r/rates.err | tail -3
 grep -A12 'kernels,' $r/prof-llama3-1b.txt
-grep -A14 'kernels,' $r/prof-llama3-8b-b64.txt
