@@ -303,9 +303,11 @@ def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, bias: t
     if not (type(eps) is float and eps >= 0):
         check_eps(eps)
         eps = float(eps)
-    if norm_weight is not None:
+    if norm_weight is not None and not (isinstance(norm_weight, torch.Tensor) and norm_weight.dtype is x.dtype
+                                        and norm_weight.shape == x.shape[-1:] and norm_weight.device == x.device):
         _check_vector("norm_weight", norm_weight, x)
-    if out is not None:
+    if out is not None and not (isinstance(out, torch.Tensor) and out.dtype is x.dtype and out.device == x.device
+                                and out.shape == (*x.shape[:-1], weight.shape[0]) and out.is_contiguous()):
         _check_out(out, (*x.shape[:-1], weight.shape[0]), x)
     if not _runs_gemv(x, weight, bias, any_rows=True):
         normed = rms_norm(x, x.new_ones(x.shape[-1]) if norm_weight is None else norm_weight, eps)
