@@ -105,6 +105,9 @@ def test_rms_linear_over_several_rows_with_the_norms_weight_and_out(device, monk
     out = torch.empty(3, 8, device=device)
     assert rms_linear(x, w, norm_weight=g, out=out) is out
     assert_close(out, expected, torch.float32, scale=4.0)
+    b = _randn((8,), torch.float32, device, 4)
+    assert rms_linear(x, w, 1e-6, b, norm_weight=g, out=out) is out
+    assert_close(out, expected + b.double(), torch.float32, scale=4.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -61,11 +61,11 @@ def _gemv_kernel(
     if HAS_RESIDUAL:
         res = tl.load(R + rows, mask=row_ok, other=0.0)  # requested now, used after the loop
     x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
-    # Products summed across K once, after the loop: the loop body is a multiply-add per element.
+    xg = x
     if NORM_WEIGHT:  # the norm's weight, not folded into W: x · g is what W multiplies
-        acc = w.to(tl.float32) * (x * tl.load(G + ks, mask=k_ok, other=0.0).to(tl.float32))[None, :]
-    else:
-        acc = w.to(tl.float32) * x[None, :]
+        xg = x * tl.load(G + ks, mask=k_ok, other=0.0).to(tl.float32)
+    # Products summed across K once, after the loop: the loop body is a multiply-add per element.
+    acc = w.to(tl.float32) * xg[None, :]
     if RMS_SCALE:
         # x's sum of squares, in the same pass: the norm's factor without a pass of its own. A row of one
         # block is summed at once, so that no vector of squares holds registers beside the products.
@@ -79,18 +79,14 @@ def _gemv_kernel(
             if EVEN_K:
                 x = tl.load(X + k0 + ks).to(tl.float32)
                 w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
-                if NORM_WEIGHT:
-                    g = tl.load(G + k0 + ks).to(tl.float32)
             else:
                 k_ok = k0 + ks < K
                 x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
                 w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                if NORM_WEIGHT:
-                    g = tl.load(G + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            if NORM_WEIGHT:
-                acc += w.to(tl.float32) * (x * g)[None, :]
-            else:
-                acc += w.to(tl.float32) * x[None, :]
+            xg = x
+            if NORM_WEIGHT:  # k_ok: all true for EVEN_K, this step's columns otherwise
+                xg = x * tl.load(G + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * xg[None, :]
             if RMS_SCALE:
                 sq += x * x
     if USE_PDL:
@@ -313,8 +309,11 @@ def rms_linear(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, bias: t
         normed = rms_norm(x, x.new_ones(x.shape[-1]) if norm_weight is None else norm_weight, eps)
         if out is None:
             return F.linear(normed, weight, bias)
-        torch.matmul(normed, weight.t(), out=out)
-        return out if bias is None else out.add_(bias)
+        if bias is None:
+            return torch.matmul(normed, weight.t(), out=out)
+        n = weight.shape[0]
+        torch.addmm(bias, normed.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, n))  # one rounding
+        return out
     if x.stride()[-1] != 1:
         x = x.contiguous()
     return gemv_launch(x, weight, None if bias is None else contiguous(bias), rms_eps=eps,
