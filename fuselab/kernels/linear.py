@@ -79,13 +79,16 @@ def _gemv_kernel(
             if EVEN_K:
                 x = tl.load(X + k0 + ks).to(tl.float32)
                 w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+                xg = x
+                if NORM_WEIGHT:
+                    xg = x * tl.load(G + k0 + ks).to(tl.float32)
             else:
                 k_ok = k0 + ks < K
                 x = tl.load(X + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
                 w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xg = x
-            if NORM_WEIGHT:  # k_ok: all true for EVEN_K, this step's columns otherwise
-                xg = x * tl.load(G + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                xg = x
+                if NORM_WEIGHT:
+                    xg = x * tl.load(G + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             acc += w.to(tl.float32) * xg[None, :]
             if RMS_SCALE:
                 sq += x * x
